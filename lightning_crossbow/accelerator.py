@@ -1,0 +1,100 @@
+"""CrossbowAccelerator: the device crossbow trains on (CUDA when available, else CPU) and its statistics.
+
+It delegates device handling to Lightning's own CUDA or CPU accelerator and adds what crossbow
+needs to read while training: memory used and free on the device (the replica auto-tuner's bound)
+and the strategy's measured training throughput, through ``get_device_stats`` (so loggers and
+``DeviceStatsMonitor`` see them too).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from typing_extensions import override
+
+
+
+def _base_class() -> type[Accelerator]:
+    return CUDAAccelerator if CUDAAccelerator.is_available() else CPUAccelerator
+
+
+def device_memory(device: torch.device) -> dict[str, float]:
+    """Memory used and free on ``device`` in bytes: CUDA's ``mem_get_info``, or the host's RAM."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"memory_used_bytes": float(total - free), "memory_free_bytes": float(free)}
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return {"memory_used_bytes": float(memory.total - memory.available), "memory_free_bytes": float(memory.available)}
+
+
+class CrossbowAccelerator(Accelerator):
+    """Resolves the underlying device type and reports memory and crossbow's samples/s.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``; ``None`` picks CUDA when available, else CPU.
+    """
+
+    def __init__(self, device_type: Optional[str] = None) -> None:
+        super().__init__()
+        if device_type is None:
+            device_type = "cuda" if CUDAAccelerator.is_available() else "cpu"
+        if device_type not in ("cuda", "cpu"):
+            raise ValueError(f"CrossbowAccelerator device_type must be 'cuda' or 'cpu', got {device_type!r}.")
+        self.device_type = device_type
+        self._base: Accelerator = CUDAAccelerator() if device_type == "cuda" else CPUAccelerator()
+        self.samples_per_second: Optional[float] = None  # written by CrossbowStrategy after each step
+
+    @override
+    def setup_device(self, device: torch.device) -> None:
+        self._base.setup_device(device)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        self._base.setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        self._base.teardown()
+
+    @override
+    def get_device_stats(self, device: Union[str, torch.device]) -> dict[str, Any]:
+        stats = device_memory(torch.device(device))
+        if self.samples_per_second is not None:
+            stats["crossbow/samples_per_sec"] = self.samples_per_second
+        return stats
+
+    @staticmethod
+    @override
+    def parse_devices(devices: Any) -> Any:
+        return _base_class().parse_devices(devices)
+
+    @staticmethod
+    @override
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        return _base_class().get_parallel_devices(devices)
+
+    @staticmethod
+    @override
+    def auto_device_count() -> int:
+        return _base_class().auto_device_count()
+
+    @staticmethod
+    @override
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def name() -> str:
+        return "crossbow"
+
+    @classmethod
+    @override
+    def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
+        accelerator_registry.register(
+            "crossbow", cls, description="Crossbow: CUDA when available, else CPU, with crossbow's device stats"
+        )

@@ -1,0 +1,226 @@
+"""How the k replicas of one device compute their losses (and, through autograd, their gradients).
+
+Every engine runs the user's own ``training_step`` once per replica with the module's parameters
+and buffers swapped for that replica's slice of the :class:`~lightning_crossbow.replicas.ReplicaStack`
+(``torch.func.functional_call``), and returns the ``k`` losses. Backpropagating their SUM gives each
+replica the gradient of its own loss, in the stack's ``.grad``.
+
+- :class:`FusedEngine`: one batched computation over the stack with ``torch.func.vmap``
+  (``randomness="different"``: dropout draws differ per replica).
+- :class:`SequentialEngine`: a Python loop over the replicas; runs any ``training_step``.
+- :class:`AutoEngine`: fused, falling back to sequential for good (with one warning naming the
+  reason) the first time the user's ``training_step`` cannot run under ``vmap``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_crossbow.log_capture import LogCapture
+from lightning_crossbow.replicas import ReplicaStack
+
+ENGINES = ("auto", "fused", "sequential")
+
+
+class NotFusableError(RuntimeError):
+    """The user's ``training_step`` returned something ``vmap`` cannot carry (None, non-tensors)."""
+
+
+@dataclass
+class ReplicaStepOutput:
+    """The ``k`` replicas' losses (attached to the graph) and the other entries of a dict output."""
+
+    losses: Tensor
+    extras: dict[str, Any] = field(default_factory=dict)
+    returned_dict: bool = False
+
+
+class _TrainingStep(nn.Module):
+    """Lets ``functional_call`` run ``module.training_step`` instead of ``module.forward``."""
+
+    PREFIX = "module."
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any, args: Sequence[Any]) -> Any:
+        return self.module.training_step(batch, *args)
+
+
+def _prefixed(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {_TrainingStep.PREFIX + name: t for name, t in tensors.items()}
+
+
+def _split_output(output: Any) -> tuple[Optional[Tensor], dict[str, Any], bool]:
+    if output is None or isinstance(output, Tensor):
+        return output, {}, False
+    if isinstance(output, Mapping) and "loss" in output:
+        return output["loss"], {k: v for k, v in output.items() if k != "loss"}, True
+    raise TypeError(
+        "training_step must return a loss tensor, a dict with a 'loss' key, or None;"
+        f" got {type(output).__name__}."
+    )
+
+
+class Engine(ABC):
+    """Computes the losses of all replicas of one device for one group of ``k`` batches."""
+
+    name: str
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._call = _TrainingStep(module)
+
+    @abstractmethod
+    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+        """Runs ``training_step(batches[j], *args)`` for every replica ``j``."""
+
+
+class SequentialEngine(Engine):
+    """One ``training_step`` call per replica, in a loop. Runs anything plain Lightning runs."""
+
+    name = "sequential"
+
+    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+        losses: list[Tensor] = []
+        extras: list[dict[str, Any]] = []
+        returned_dict = False
+        for (params, buffers), batch in zip(stack.unbind(), batches, strict=True):
+            with capture.recording(self.module) as calls:
+                output = functional_call(self._call, (_prefixed(params), _prefixed(buffers)), (batch, args))
+            capture.add(calls)
+            loss, extra, is_dict = _split_output(output)
+            returned_dict |= is_dict
+            # A replica whose training_step returns None skips the step: no loss, no gradient.
+            losses.append(loss if loss is not None else torch.zeros((), device=_device_of(stack)))
+            extras.append(extra)
+        return ReplicaStepOutput(torch.stack(losses), _mean_extras(extras), returned_dict)
+
+
+class FusedEngine(Engine):
+    """All replicas in one batched computation: ``vmap`` over the stacked parameters, buffers and batches.
+
+    A group whose batches cannot be stacked (a smaller last batch, differing non-tensor fields) runs
+    through the sequential engine for that step only.
+    """
+
+    name = "fused"
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self._sequential = SequentialEngine(module)
+
+    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+        if not _stackable(batches):
+            return self._sequential.run(stack, batches, args, capture)
+        batch = tree_map(lambda *xs: torch.stack(xs) if isinstance(xs[0], Tensor) else xs[0], batches[0], *batches[1:])
+        batch_dims = tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batches[0])
+        recorded: list[Any] = []
+        returned_dict = [False]
+
+        def one_replica(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Any:
+            with capture.recording(self.module) as calls:
+                output = functional_call(self._call, (params, buffers), (batch, args))
+            recorded[:] = calls
+            loss, extra, returned_dict[0] = _split_output(output)
+            if loss is None:
+                raise NotFusableError("training_step returned None (a skipped step)")
+            if not all(isinstance(v, Tensor) for v in extra.values()):
+                raise NotFusableError("training_step returned a dict with non-tensor values")
+            return loss, extra, [c.value for c in calls if isinstance(c.value, Tensor)]
+
+        losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
+            _prefixed(stack.params), _prefixed(stack.buffers), batch
+        )
+        capture.add_stacked(recorded, logged)
+        return ReplicaStepOutput(losses, {k: v.detach().float().mean(0) for k, v in extras.items()}, returned_dict[0])
+
+
+class AutoEngine(Engine):
+    """Fused; on the first failure of the user's ``training_step`` under ``vmap``, sequential for good.
+
+    The failed attempt changes nothing: the replicas' buffers are restored and its logs dropped.
+    """
+
+    name = "auto"
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self.fused = FusedEngine(module)
+        self.sequential = SequentialEngine(module)
+        self.active: Engine = self.fused
+        self._proven = False
+
+    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+        if self._proven or self.active is self.sequential:
+            return self.active.run(stack, batches, args, capture)
+        saved_buffers = {name: b.clone() for name, b in stack.buffers.items()}
+        try:
+            output = self.fused.run(stack, batches, args, capture)
+        except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
+            with torch.no_grad():
+                for name, saved in saved_buffers.items():
+                    stack.buffers[name].copy_(saved)
+            capture.clear()
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            warnings.warn(
+                "crossbow: the training_step cannot run fused under torch.func.vmap"
+                f" ({type(error).__name__}: {reason}). Falling back to engine='sequential' for the rest of"
+                " training; pass engine='sequential' to silence this warning.",
+                stacklevel=2,
+            )
+            self.active = self.sequential
+            return self.sequential.run(stack, batches, args, capture)
+        self._proven = True
+        return output
+
+
+def make_engine(name: str, module: nn.Module, num_replicas: int) -> Engine:
+    """The engine called ``name``; with one replica ``auto`` and ``fused`` loop once (no vmap)."""
+    if name not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {name!r}.")
+    if name == "sequential" or num_replicas == 1:
+        return SequentialEngine(module)
+    return FusedEngine(module) if name == "fused" else AutoEngine(module)
+
+
+def _stackable(batches: Sequence[Any]) -> bool:
+    leaves0, spec0 = tree_flatten(batches[0])
+    for other in batches[1:]:
+        leaves, spec = tree_flatten(other)
+        if spec != spec0:
+            return False
+        for a, b in zip(leaves0, leaves):
+            if isinstance(a, Tensor) != isinstance(b, Tensor):
+                return False
+            if isinstance(a, Tensor):
+                if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                    return False
+            elif a is not b and a != b:
+                return False
+    return True
+
+
+def _mean_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for key in extras[0] if extras else ():
+        values = [e[key] for e in extras if key in e]
+        if all(isinstance(v, Tensor) for v in values):
+            merged[key] = torch.stack([v.detach().float() for v in values]).mean(0)
+        else:
+            merged[key] = values
+    return merged
+
+
+def _device_of(stack: ReplicaStack) -> torch.device:
+    return stack.buckets[0].center.device if stack.buckets else torch.device("cpu")

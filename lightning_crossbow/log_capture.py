@@ -1,0 +1,100 @@
+"""Captures what a LightningModule logs from k replicas and logs it once: the mean over replicas.
+
+``self.log`` cannot run per replica: under ``torch.func.vmap`` the value would escape the vmapped
+call, and in a loop Lightning would keep the last replica's value. While a replica's
+``training_step`` runs, ``module.log``/``module.log_dict`` are shadowed by recorders; afterwards
+:meth:`LogCapture.replay` calls the real ``self.log`` once per name with the mean over replicas
+(torchmetrics ``Metric`` objects are passed through once: they already aggregate every replica's
+updates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class LogCall:
+    """One ``self.log(name, value, **kwargs)`` call of one replica (or of all, stacked, when fused)."""
+
+    name: str
+    value: Any
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class _Logged:
+    kwargs: dict[str, Any]
+    per_replica: list[Any] = field(default_factory=list)
+    stacked: list[Tensor] = field(default_factory=list)
+
+
+class LogCapture:
+    """Records ``self.log`` calls of replica steps; :meth:`replay` logs each name once."""
+
+    def __init__(self) -> None:
+        self._logged: dict[str, _Logged] = {}
+
+    @staticmethod
+    @contextmanager
+    def recording(module: nn.Module) -> Iterator[list[LogCall]]:
+        """Shadows ``module.log`` and ``module.log_dict`` with recorders for the duration."""
+        calls: list[LogCall] = []
+
+        def log(name: str, value: Any, **kwargs: Any) -> None:
+            calls.append(LogCall(name, value, kwargs))
+
+        def log_dict(dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+            for name, value in dictionary.items():
+                log(name, value, **kwargs)
+
+        module.__dict__["log"], module.__dict__["log_dict"] = log, log_dict
+        try:
+            yield calls
+        finally:
+            del module.__dict__["log"], module.__dict__["log_dict"]
+
+    def add(self, calls: list[LogCall]) -> None:
+        """Adds the calls of one replica."""
+        for call in calls:
+            self._logged.setdefault(call.name, _Logged(call.kwargs)).per_replica.append(call.value)
+
+    def add_stacked(self, calls: list[LogCall], stacked_values: list[Tensor]) -> None:
+        """Adds the calls of a fused step: tensor values come stacked, shape ``(k, ...)``."""
+        tensors = iter(stacked_values)
+        for call in calls:
+            logged = self._logged.setdefault(call.name, _Logged(call.kwargs))
+            if isinstance(call.value, Tensor):
+                logged.stacked.append(next(tensors))
+            else:
+                logged.per_replica.append(call.value)
+
+    def clear(self) -> None:
+        self._logged.clear()
+
+    def replay(self, module: Any) -> None:
+        """Logs every captured name once through the real ``module.log``; clears the capture."""
+        for name, logged in self._logged.items():
+            module.log(name, _mean_over_replicas(logged), **logged.kwargs)
+        self._logged.clear()
+
+
+def _mean_over_replicas(logged: _Logged) -> Any:
+    values = [v for v in logged.per_replica if not isinstance(v, Tensor)]
+    tensors = [v.detach() for v in logged.per_replica if isinstance(v, Tensor)]
+    if values and not tensors and not logged.stacked:
+        first = values[0]
+        if not isinstance(first, (int, float)):  # a Metric: it already aggregates all replicas
+            return first
+        return sum(values) / len(values)
+    stacked = [t.detach() for t in logged.stacked]
+    if tensors:
+        stacked.append(torch.stack(tensors))
+    rows = torch.cat([t.reshape(t.shape[0], *t.shape[1:]) for t in stacked])
+    return rows.float().mean(0) if not rows.is_floating_point() else rows.mean(0)

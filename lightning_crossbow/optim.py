@@ -1,0 +1,90 @@
+"""The user's optimizer, re-pointed at the replica stack: one element-wise optimizer = k optimizers.
+
+An optimizer whose update of an element depends only on that element's own gradient and state
+(SGD, Adam, RMSprop, ...) treats the ``(k, *shape)`` stacked tensor of a parameter exactly like
+``k`` independent copies: every replica gets its own momentum / moment estimates, and the user's
+learning-rate schedulers keep driving the same ``param_groups``. Optimizers that mix elements
+within a tensor (LBFGS, LARS, LAMB, Shampoo, Adafactor, ...) would mix replicas and are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor
+from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop, Rprop
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop, ASGD,
+)
+
+
+def check_elementwise(optimizer: Optimizer, declared: Iterable[type[Optimizer]] = ()) -> None:
+    """Raises ``TypeError`` unless ``optimizer``'s exact class is known (or declared) element-wise."""
+    allowed = (*ELEMENTWISE_OPTIMIZERS, *declared)
+    if type(optimizer) not in allowed:
+        names = ", ".join(cls.__name__ for cls in allowed)
+        raise TypeError(
+            f"crossbow cannot use the optimizer {type(optimizer).__qualname__}: it is not known to be element-wise,"
+            " and an optimizer that mixes elements within a tensor would mix the replicas stacked in it."
+            f" Known element-wise optimizers: {names}. If {type(optimizer).__name__} updates every element from"
+            " that element's own gradient and state only, declare it:"
+            f" CrossbowStrategy(elementwise_optimizers=[{type(optimizer).__name__}])."
+        )
+
+
+@torch.no_grad()
+def repoint_to_stack(optimizer: Optimizer, stacked: Mapping[int, Tensor], num_replicas: int) -> None:
+    """Replaces every parameter ``p`` in ``optimizer`` by ``stacked[id(p)]`` (when present).
+
+    State the optimizer already holds for ``p`` (Adagrad creates it eagerly) is copied to every
+    replica: tensors shaped like ``p`` become ``(k, *p.shape)``, anything else is kept as it is.
+    """
+    for group in optimizer.param_groups:
+        new_params = []
+        for param in group["params"]:
+            stack = stacked.get(id(param))
+            if stack is None:
+                new_params.append(param)
+                continue
+            old_state = optimizer.state.pop(param, None)
+            if old_state:
+                optimizer.state[stack] = {
+                    key: _repeat(value, num_replicas) if isinstance(value, Tensor) and value.shape == param.shape
+                    and value.dim() > 0 else value
+                    for key, value in old_state.items()
+                }
+            new_params.append(stack)
+        group["params"] = new_params
+
+
+def _repeat(value: Tensor, num_replicas: int) -> Tensor:
+    return value.unsqueeze(0).repeat(num_replicas, *([1] * value.dim()))
+
+
+@torch.no_grad()
+def reset_state_rows_(optimizer: Optimizer, rows: Tensor) -> None:
+    """Zeroes the per-replica optimizer state (momentum, moments, ...) of the replicas in ``rows``."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
+                    value[rows] = 0
+
+
+@torch.no_grad()
+def clip_grad_norm_per_replica_(params: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clips each replica's gradient to total ``norm_type``-norm ``max_norm``; returns the ``(k,)`` norms.
+
+    Row ``j`` of every stacked gradient belongs to replica ``j``: its total norm is taken over that row
+    of all parameters, as ``torch.nn.utils.clip_grad_norm_`` would do for a lone replica.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(0)
+    per_tensor = torch.stack([torch.linalg.vector_norm(g.flatten(1), norm_type, dim=1) for g in grads])
+    norms = torch.linalg.vector_norm(per_tensor, norm_type, dim=0)
+    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, [scale.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for g in grads])
+    return norms

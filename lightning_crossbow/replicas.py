@@ -1,0 +1,183 @@
+"""ReplicaStack: the k replicas of a module's parameters and buffers as stacked tensors.
+
+Trainable parameters of one dtype and device share one flat buffer ``replicas`` of shape
+``(k, N)``: row ``j`` is replica ``j``, and every parameter of replica ``j`` is a view into that row.
+The optimizer sees, per parameter, one leaf tensor of shape ``(k, *p.shape)`` (a view of the flat
+buffer), so one element-wise optimizer over the stack is ``k`` independent optimizers. The module's
+own parameters are re-bound as views of the flat ``center`` buffer: they ARE the central model z,
+and the SMA update is a few whole-buffer operations (see :mod:`lightning_crossbow.sma`).
+
+Buffers (BatchNorm running statistics, ...) are stacked per buffer, ``(k, *b.shape)``, one set of
+statistics per replica; the module's own buffers receive their mean on :meth:`sync_center_buffers_`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+BufferReducer = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class FlatBucket:
+    """Parameters of one dtype and device, flattened: ``center`` is z, row j of ``replicas`` is w_j."""
+
+    names: list[str]
+    shapes: list[torch.Size]
+    offsets: list[int]
+    center: Tensor  # (N,)
+    center_prev: Tensor  # (N,)
+    replicas: Tensor  # (k, N)
+    corrections: Tensor  # (k, N), scratch for alpha * (w_j - z)
+
+    def slices(self) -> list[tuple[str, int, int, torch.Size]]:
+        return [
+            (name, start, start + shape.numel(), shape)
+            for name, start, shape in zip(self.names, self.offsets, self.shapes)
+        ]
+
+
+class ReplicaStack:
+    """``k`` replicas of ``module``'s trainable parameters and buffers, all starting as copies of it.
+
+    After construction the module's trainable parameters are views of the central buffers, so
+    anything that reads the module (validation, checkpoints, callbacks) reads z.
+    """
+
+    def __init__(self, module: nn.Module, num_replicas: int) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+        self.num_replicas = num_replicas
+        self.buckets: list[FlatBucket] = []
+        self.params: dict[str, Tensor] = {}
+        self._module_params: list[list[nn.Parameter]] = []  # per bucket
+
+        groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                groups.setdefault((param.dtype, param.device), []).append((name, param))
+        for members in groups.values():
+            center = torch.cat([p.detach().reshape(-1) for _, p in members])
+            offsets, start = [], 0
+            for _, p in members:
+                offsets.append(start)
+                start += p.numel()
+            replicas = center.unsqueeze(0).repeat(num_replicas, 1)
+            self.buckets.append(
+                FlatBucket(
+                    names=[n for n, _ in members],
+                    shapes=[p.shape for _, p in members],
+                    offsets=offsets,
+                    center=center,
+                    center_prev=center.clone(),
+                    replicas=replicas,
+                    corrections=torch.empty_like(replicas),
+                )
+            )
+            self._module_params.append([p for _, p in members])
+        self._make_param_views()
+        self.buffers: dict[str, Tensor] = {
+            name: buf.detach().unsqueeze(0).repeat(num_replicas, *([1] * buf.dim()))
+            for name, buf in module.named_buffers()
+        }
+        self._bind_center(module)
+
+    # ----------------------------------------------------------------------------------- views
+    def _make_param_views(self) -> None:
+        k = self.num_replicas
+        self.params = {}
+        for bucket in self.buckets:
+            for name, start, end, shape in bucket.slices():
+                self.params[name] = bucket.replicas[:, start:end].view(k, *shape).detach().requires_grad_()
+
+    def _bind_center(self, module: nn.Module) -> None:
+        """Makes ``module``'s trainable parameters views of the central buffers (z)."""
+        for bucket in self.buckets:
+            for name, start, end, shape in bucket.slices():
+                module.get_parameter(name).data = bucket.center[start:end].view(shape)
+
+    def is_bound(self) -> bool:
+        """Whether the module's parameters still live in the central buffers (``.to()`` breaks this)."""
+        return all(
+            param.untyped_storage().data_ptr() == bucket.center.untyped_storage().data_ptr()
+            for bucket, params in zip(self.buckets, self._module_params)
+            for param in params
+        )
+
+    def rebind_(self, module: nn.Module) -> None:
+        """Takes the module's current parameter values as z and re-binds them to the central buffers."""
+        for bucket in self.buckets:
+            for name, start, end, _ in bucket.slices():
+                bucket.center[start:end].copy_(module.get_parameter(name).detach().reshape(-1))
+        self._bind_center(module)
+
+    def replica(self, index: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Parameters and buffers of replica ``index`` as views (gradients flow to the stack)."""
+        return (
+            {name: stack[index] for name, stack in self.params.items()},
+            {name: stack[index] for name, stack in self.buffers.items()},
+        )
+
+    def unbind(self) -> list[tuple[dict[str, Tensor], dict[str, Tensor]]]:
+        """All replicas' parameters and buffers, one ``unbind`` per stacked tensor."""
+        params = {name: stack.unbind(0) for name, stack in self.params.items()}
+        buffers = {name: stack.unbind(0) for name, stack in self.buffers.items()}
+        return [
+            ({n: t[j] for n, t in params.items()}, {n: t[j] for n, t in buffers.items()})
+            for j in range(self.num_replicas)
+        ]
+
+    # ------------------------------------------------------------------------------- updates
+    @torch.no_grad()
+    def reset_replicas_(self, module: nn.Module, rows: Optional[Tensor] = None, buffers: bool = False) -> None:
+        """Sets replicas ``rows`` (a bool mask; all when None) to z, and their buffers to z's if asked."""
+        for bucket in self.buckets:
+            if rows is None:
+                bucket.replicas.copy_(bucket.center.expand_as(bucket.replicas))
+            else:
+                bucket.replicas[rows] = bucket.center
+        if buffers:
+            for name, stack in self.buffers.items():
+                center = module.get_buffer(name)
+                if rows is None:
+                    stack.copy_(center.expand_as(stack))
+                else:
+                    stack[rows] = center
+
+    @torch.no_grad()
+    def sync_center_buffers_(self, module: nn.Module, all_reduce_mean: Optional[BufferReducer] = None) -> None:
+        """z's buffers <- the mean over all replicas (floating point); integer buffers take replica 0's."""
+        for name, stack in self.buffers.items():
+            target = module.get_buffer(name)
+            if stack.is_floating_point():
+                mean = stack.mean(0)
+                target.copy_(all_reduce_mean(mean) if all_reduce_mean is not None else mean)
+            else:
+                target.copy_(stack[0])
+
+    # ---------------------------------------------------------------------------- state dict
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "num_replicas": self.num_replicas,
+            "replicas": [b.replicas.detach().cpu().clone() for b in self.buckets],
+            "center_prev": [b.center_prev.detach().cpu().clone() for b in self.buckets],
+            "buffers": {n: b.detach().cpu().clone() for n, b in self.buffers.items()},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any], replicas: bool = True) -> None:
+        """Restores z_prev, and the replicas and their buffers too when ``replicas`` is True."""
+        for bucket, prev in zip(self.buckets, state["center_prev"], strict=True):
+            bucket.center_prev.copy_(prev)
+        if not replicas:
+            return
+        if state["num_replicas"] != self.num_replicas:
+            raise ValueError(f"State has {state['num_replicas']} replicas, this stack {self.num_replicas}.")
+        for bucket, saved in zip(self.buckets, state["replicas"], strict=True):
+            bucket.replicas.copy_(saved)
+        for name, saved in state["buffers"].items():
+            self.buffers[name].copy_(saved)

@@ -1,0 +1,460 @@
+"""CrossbowStrategy: Crossbow's k replicas per device and synchronous model averaging, in Lightning.
+
+This module is Lightning glue only. The pieces it wires together:
+
+- :class:`~lightning_crossbow.data.ReplicaBatchLoader` groups k batches of the user's loader per step;
+- :class:`~lightning_crossbow.replicas.ReplicaStack` holds the replicas; the LightningModule's own
+  parameters are the central model z;
+- :mod:`~lightning_crossbow.engines` run the user's ``training_step`` for all replicas;
+- the user's optimizer steps every replica (:mod:`~lightning_crossbow.optim`);
+- :mod:`~lightning_crossbow.sma` applies the corrections and moves z.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_crossbow import sma
+from lightning_crossbow.accelerator import CrossbowAccelerator
+from lightning_crossbow.data import ReplicaBatchLoader
+from lightning_crossbow.engines import ENGINES, Engine, make_engine
+from lightning_crossbow.log_capture import LogCapture
+from lightning_crossbow.optim import (
+    check_elementwise,
+    clip_grad_norm_per_replica_,
+    repoint_to_stack,
+    reset_state_rows_,
+)
+from lightning_crossbow.replicas import ReplicaStack
+
+#: An LR decrease between two consecutive steps counts as a "drop" (and resets the replicas to z
+#: when ``reset_on_lr_drop``) when the new LR is at most this fraction of the old: step and plateau
+#: schedules drop by 0.1-0.5 at once, a smooth (cosine, exponential) decay does not trigger it.
+LR_DROP_RATIO = 0.9
+
+_CHECKPOINT_KEY = "crossbow"
+_CHECKPOINT_VERSION = 1
+
+
+class CrossbowStrategy(DDPStrategy):
+    r"""Trains ``k`` replicas of the LightningModule per device, kept together by Crossbow's SMA.
+
+    One optimizer step takes ``k`` consecutive batches of the training DataLoader per process (replica
+    ``j`` the ``j``-th) and, over all ``K = k x world_size`` learners, applies
+
+    .. math::
+
+        c_j = \alpha (w_j - z), \quad w_j \leftarrow \mathrm{opt\_step}(w_j) - c_j, \quad
+        z \leftarrow z + \textstyle\sum_{j=1}^{K} c_j + \mu (z - z_{prev})
+
+    where ``opt_step`` is the user's own optimizer (its own state per replica) and z, the central
+    model, is the LightningModule's own parameters: validation, checkpoints and callbacks see z.
+
+    Args:
+        replicas_per_device: ``k``, the number of replicas (learners) per device, a positive int.
+        alpha: correction strength in (0, 1]; ``None`` means ``1/K``.
+        central_momentum: ``mu`` in [0, 1), momentum of the central model (Crossbow: 0.9).
+        engine: ``"auto"`` (fused, falling back to sequential when the training_step cannot run under
+            vmap), ``"fused"`` (torch.func.vmap over the stacked replicas) or ``"sequential"``.
+        reset_on_lr_drop: reset every replica to z when the learning rate drops (see ``LR_DROP_RATIO``).
+        elementwise_optimizers: optimizer classes, beyond torch's element-wise ones, that the user
+            declares element-wise (each element updated from its own gradient and state only).
+        The remaining arguments are those of Lightning's ``DDPStrategy`` (launching, backend, timeout).
+    """
+
+    strategy_name = "crossbow"
+
+    def __init__(
+        self,
+        replicas_per_device: int = 4,
+        alpha: Optional[float] = None,
+        central_momentum: float = 0.9,
+        engine: Literal["auto", "fused", "sequential"] = "auto",
+        reset_on_lr_drop: bool = True,
+        elementwise_optimizers: Iterable[type[Optimizer]] = (),
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        _check_positive_int("replicas_per_device", replicas_per_device)
+        if alpha is not None and not (_is_real(alpha) and 0.0 < alpha <= 1.0):
+            raise ValueError(f"alpha must be a number in (0, 1] or None (meaning 1/K), got {alpha!r}.")
+        if not (_is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
+            raise ValueError(f"central_momentum must be a number in [0, 1), got {central_momentum!r}.")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.replicas_per_device = replicas_per_device
+        self._alpha = None if alpha is None else float(alpha)
+        self.central_momentum = float(central_momentum)
+        self.engine_name = engine
+        self.reset_on_lr_drop = reset_on_lr_drop
+        self.elementwise_optimizers = tuple(elementwise_optimizers)
+
+        self.stack: Optional[ReplicaStack] = None
+        self.engine: Optional[Engine] = None
+        self._log_capture = LogCapture()
+        self._step_losses: Optional[Tensor] = None
+        self._last_lrs: Optional[list[float]] = None
+        self._buffers_stale = False
+        self._pending_state: Optional[dict[str, Any]] = None
+        self._step_started: Optional[float] = None
+        self.samples_per_second: Optional[float] = None
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def num_learners(self) -> int:
+        """``K = k x world_size``, the learners over all processes."""
+        return self.replicas_per_device * self.world_size
+
+    @property
+    def alpha(self) -> float:
+        """The correction strength in use: the given alpha, or ``1/K``."""
+        return self._alpha if self._alpha is not None else sma.default_alpha(self.num_learners)
+
+    # ---------------------------------------------------------------------------- environment
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = self.lightning_module.trainer
+        if self.world_size == 1:
+            # One process: keep the user's DataLoader and sampler exactly as they are (Lightning would
+            # otherwise inject a shuffling DistributedSampler because this is a DDPStrategy).
+            trainer._accelerator_connector.use_distributed_sampler = False
+        if type(self.accelerator) in (CPUAccelerator, CUDAAccelerator):
+            self.accelerator = CrossbowAccelerator(self.root_device.type)
+
+    @override
+    def configure_ddp(self) -> None:
+        # No DistributedDataParallel: no gradient all-reduce. Every rank starts from rank 0's weights.
+        _sync_module_states(self.model)
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
+            raise RuntimeError(
+                "crossbow supports automatic optimization only (self.automatic_optimization = True): with"
+                " manual optimization the training_step steps the optimizer itself, so crossbow cannot run it"
+                " once per replica nor apply the model averaging after every replica's step."
+            )
+        super().setup(trainer)
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.device != self.root_device.type:
+            self.precision_plugin.device = self.root_device.type  # autocast on the device we run on
+        if fitting:
+            self._setup_replicas(trainer)
+
+    def _setup_replicas(self, trainer: "pl.Trainer") -> None:
+        if len(self.optimizers) != 1:
+            raise RuntimeError(
+                f"crossbow needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}:"
+                " every replica runs a copy of that one optimizer."
+            )
+        optimizer = self.optimizers[0]
+        check_elementwise(optimizer, self.elementwise_optimizers)
+        self._check_same_config_on_all_ranks()
+        module = self.lightning_module
+        self.stack = ReplicaStack(module, self.replicas_per_device)
+        repoint_to_stack(
+            optimizer,
+            {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
+            self.replicas_per_device,
+        )
+        self.engine = make_engine(self.engine_name, module, self.replicas_per_device)
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_per_replica  # type: ignore[method-assign]
+        self._last_lrs = None
+
+    def _check_same_config_on_all_ranks(self) -> None:
+        config = (self.replicas_per_device, self._alpha, self.central_momentum, self.engine_name)
+        configs = [config]
+        if self.world_size > 1:
+            configs = [None] * self.world_size
+            torch.distributed.all_gather_object(configs, config)
+        if any(c != config for c in configs):
+            raise RuntimeError(
+                "crossbow: the ranks disagree on (replicas_per_device, alpha, central_momentum, engine):"
+                f" {configs}. Every process must be configured the same."
+            )
+
+    def _clip_grad_by_norm_per_replica(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_per_replica_((p for g in optimizer.param_groups for p in g["params"]), float(clip_val))
+
+    # ------------------------------------------------------------------------------------ data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        grouped = ReplicaBatchLoader(dataloader, self.replicas_per_device)
+        dropped = grouped.dropped_batches()
+        if dropped:
+            rank_zero_warn(
+                f"crossbow: the training DataLoader has {len(dataloader)} batches, not a multiple of"  # type: ignore[arg-type]
+                f" replicas_per_device={self.replicas_per_device}; the last {dropped} batch(es) of every epoch"
+                " do not fill a step and are skipped."
+            )
+        return grouped
+
+    # ------------------------------------------------------------------------------- training
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+        optimizer = self.optimizers[0]
+        lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        if self._last_lrs is not None and self.reset_on_lr_drop and any(
+            new <= LR_DROP_RATIO * old for new, old in zip(lrs, self._last_lrs)
+        ):
+            assert self.stack is not None
+            self.stack.reset_replicas_(self.lightning_module)
+            rank_zero_info(f"crossbow: learning rate dropped to {lrs}; every replica reset to the central model.")
+        self._last_lrs = lrs
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.stack is not None and self.engine is not None
+        batches, rest = args[0], args[1:]
+        if not isinstance(batches, list) or len(batches) != self.replicas_per_device:
+            raise RuntimeError("crossbow expected a group of replicas_per_device batches from its training loader.")
+        module = self.lightning_module
+        if not self.stack.is_bound():
+            self.stack.rebind_(module)
+        with self.precision_plugin.train_step_context():
+            output = self.engine.run(self.stack, batches, rest, self._log_capture)
+        self._log_capture.replay(module)
+        losses = output.losses.detach()
+        self._step_losses = losses if self._step_losses is None else self._step_losses + losses
+        loss = output.losses.sum()
+        return {"loss": loss, **output.extras} if output.returned_dict else loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        assert self.stack is not None
+        alpha = self.alpha
+        for bucket in self.stack.buckets:  # c_j from the weights BEFORE the local step
+            sma.corrections_(bucket.corrections, bucket.replicas, bucket.center, alpha)
+        output = self.precision_plugin.optimizer_step(
+            optimizer, model=model or self.lightning_module, closure=closure, **kwargs
+        )
+        diverged = self._diverged_replicas()
+        with torch.no_grad():
+            for bucket in self.stack.buckets:
+                sma.apply_corrections_(bucket.replicas, bucket.corrections)
+                if diverged is not None:
+                    bucket.corrections[diverged] = 0.0
+                correction_sum = sma.all_reduce_sum_(bucket.corrections.sum(0))
+                sma.update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
+        if diverged is not None:
+            self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
+            reset_state_rows_(optimizer, diverged)
+        self._buffers_stale = True
+        self._measure_throughput()
+        return output
+
+    def _diverged_replicas(self) -> Optional[Tensor]:
+        losses, self._step_losses = self._step_losses, None
+        if losses is None:
+            return None
+        diverged = ~torch.isfinite(losses)
+        if not bool(diverged.any()):
+            return None
+        step = self.lightning_module.trainer.global_step
+        for replica in diverged.nonzero().flatten().tolist():
+            warnings.warn(
+                f"crossbow: replica {replica} on rank {self.global_rank} has a non-finite loss"
+                f" ({losses[replica].item()}) at step {step}; it is reset to the central model and its optimizer"
+                " state cleared. Training continues.",
+                stacklevel=2,
+            )
+        return diverged
+
+    def _measure_throughput(self) -> None:
+        if self._step_started is None:
+            return
+        elapsed = time.perf_counter() - self._step_started
+        batch_size = _batch_size_of(self.lightning_module)
+        if elapsed > 0 and batch_size:
+            rate = self.replicas_per_device * batch_size / elapsed
+            previous = self.samples_per_second
+            self.samples_per_second = rate if previous is None else 0.9 * previous + 0.1 * rate
+            if isinstance(self.accelerator, CrossbowAccelerator):
+                self.accelerator.samples_per_second = self.samples_per_second
+
+    # ----------------------------------------------------------------- z's buffers and hooks
+    def sync_center_buffers(self) -> None:
+        """z's buffers (BatchNorm statistics, ...) <- the mean over all replicas of all processes."""
+        if self.stack is None or not self._buffers_stale:
+            return
+
+        def all_reduce_mean(tensor: Tensor) -> Tensor:
+            return sma.all_reduce_sum_(tensor).div_(self.world_size)
+
+        self.stack.sync_center_buffers_(self.lightning_module, all_reduce_mean)
+        self._buffers_stale = False
+
+    @override
+    def on_validation_start(self) -> None:
+        self.sync_center_buffers()
+
+    @override
+    def on_test_start(self) -> None:
+        self.sync_center_buffers()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.sync_center_buffers()
+
+    @override
+    def on_train_end(self) -> None:
+        self.sync_center_buffers()
+
+    # ---------------------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.sync_center_buffers()
+        return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        if self.stack is not None:
+            checkpoint[_CHECKPOINT_KEY] = self._strategy_state()  # gathers from every rank
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _strategy_state(self) -> dict[str, Any]:
+        assert self.stack is not None
+        local: dict[str, Any] = {"stack": self.stack.state_dict()}
+        if self.global_rank != 0:  # rank 0's optimizer state is Lightning's own "optimizer_states"
+            local["optimizer"] = self.optimizers[0].state_dict()
+        ranks = [local]
+        if self.world_size > 1:
+            ranks = [None] * self.world_size
+            torch.distributed.all_gather_object(ranks, local)
+        return {
+            "version": _CHECKPOINT_VERSION,
+            "replicas_per_device": self.replicas_per_device,
+            "world_size": self.world_size,
+            "last_lrs": self._last_lrs,
+            "ranks": ranks,
+        }
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending_state = checkpoint.get(_CHECKPOINT_KEY)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restores every replica, its optimizer state and z_prev; re-seeds from z when k or world size differ."""
+        assert self.stack is not None
+        state = checkpoint.get(_CHECKPOINT_KEY)
+        optimizer = self.optimizers[0]
+        saved_optimizer = checkpoint["optimizer_states"][0]
+        same_layout = (
+            state is not None
+            and state["replicas_per_device"] == self.replicas_per_device
+            and state["world_size"] == self.world_size
+        )
+        if same_layout:
+            rank_state = state["ranks"][self.global_rank]
+            optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
+            self.stack.load_state_dict(rank_state["stack"])
+            self._last_lrs = state["last_lrs"]
+            self._buffers_stale = True
+            return
+        for group, saved_group in zip(optimizer.param_groups, saved_optimizer["param_groups"], strict=True):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        if state is not None:
+            self.stack.load_state_dict(state["ranks"][0]["stack"], replicas=False)
+            self._last_lrs = state["last_lrs"]
+        where = (
+            "a checkpoint without crossbow state"
+            if state is None
+            else f"a checkpoint of replicas_per_device={state['replicas_per_device']} x world_size={state['world_size']}"
+        )
+        rank_zero_warn(
+            f"crossbow: resuming from {where} with replicas_per_device={self.replicas_per_device} x"
+            f" world_size={self.world_size}: the replicas were re-seeded from the central model and their"
+            " optimizer state starts fresh (learning rates and other hyper-parameters were restored)."
+        )
+
+    # ------------------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        self.stack = None
+        self.engine = None
+        self._step_losses = None
+        if "clip_grad_by_norm" in vars(self.precision_plugin):
+            del self.precision_plugin.clip_grad_by_norm
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "crossbow", cls, description="Crossbow: k replicas per device with synchronous model averaging"
+        )
+        strategy_registry.register(
+            "crossbow_spawn",
+            cls,
+            description="Crossbow, launching processes with torch.multiprocessing spawn",
+            start_method="spawn",
+        )
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int (1, 2, 3, ...), got {value!r}.")
+
+
+def _batch_size_of(module: "pl.LightningModule") -> Optional[int]:
+    loader = module.trainer.train_dataloader
+    loader = getattr(loader, "loader", loader)
+    return getattr(loader, "batch_size", None)
