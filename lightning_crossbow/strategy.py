@@ -30,6 +30,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -53,6 +54,10 @@ from lightning_crossbow.replicas import ReplicaStack
 #: schedules drop by 0.1-0.5 at once, a smooth (cosine, exponential) decay does not trigger it.
 LR_DROP_RATIO = 0.9
 
+_ONE_OPTIMIZER = (
+    "crossbow needs exactly one optimizer from configure_optimizers, got {count}: every replica runs its"
+    " own copy of that one optimizer, and crossbow supports automatic optimization only."
+)
 _CHECKPOINT_KEY = "crossbow"
 _CHECKPOINT_VERSION = 1
 
@@ -174,7 +179,12 @@ class CrossbowStrategy(DDPStrategy):
                 " manual optimization the training_step steps the optimizer itself, so crossbow cannot run it"
                 " once per replica nor apply the model averaging after every replica's step."
             )
-        super().setup(trainer)
+        try:
+            super().setup(trainer)
+        except (MisconfigurationException, RuntimeError) as error:
+            if "multiple optimizers" in str(error):  # Lightning's own advice (manual optimization) does not apply
+                raise RuntimeError(_ONE_OPTIMIZER.format(count="several")) from error
+            raise
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.device != self.root_device.type:
             self.precision_plugin.device = self.root_device.type  # autocast on the device we run on
         if fitting:
@@ -182,10 +192,7 @@ class CrossbowStrategy(DDPStrategy):
 
     def _setup_replicas(self, trainer: "pl.Trainer") -> None:
         if len(self.optimizers) != 1:
-            raise RuntimeError(
-                f"crossbow needs exactly one optimizer from configure_optimizers, got {len(self.optimizers)}:"
-                " every replica runs a copy of that one optimizer."
-            )
+            raise RuntimeError(_ONE_OPTIMIZER.format(count=len(self.optimizers)))
         optimizer = self.optimizers[0]
         check_elementwise(optimizer, self.elementwise_optimizers)
         self._check_same_config_on_all_ranks()

@@ -1,0 +1,41 @@
+# `make demo` and `make test` each create the environment (.venv) first. On a machine without an
+# NVIDIA GPU the environment gets a CPU build of torch, never a multi-GB CUDA build.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_GPU),yes)
+TORCH_SPEC ?= torch>=2.4
+else
+TORCH_SPEC ?= torch==2.13.0+cpu
+endif
+# Extra pip options for the torch install (for example an index that serves CPU builds).
+TORCH_PIP_ARGS ?=
+
+.PHONY: env demo test bench bench-quick clean
+
+env: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[dev]"
+	$(PY) -c "import torch, lightning, lightning_crossbow; print('torch', torch.__version__, '| lightning', lightning.__version__, '| cuda', torch.cuda.is_available())"
+	touch $@
+
+demo: env
+	$(PY) examples/train.py
+
+test: env
+	$(PY) -m pytest -q
+
+bench: env
+	$(PY) benchmarks/throughput.py
+
+bench-quick: env
+	$(PY) benchmarks/throughput.py --quick
+
+clean:
+	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache

@@ -1,0 +1,135 @@
+"""Small models, data and an independent SMA reference for the tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_crossbow  # noqa: F401  (registers "crossbow")
+
+
+def make_data(num_samples: int = 80, features: int = 6, classes: int = 3, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, features, generator=generator)
+    y = torch.randint(0, classes, (num_samples,), generator=generator)
+    return TensorDataset(x, y)
+
+
+def make_net(features: int = 6, classes: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, classes))
+
+
+class Classifier(L.LightningModule):
+    """A plain LightningModule: what a user has before adding crossbow."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.1, seed: int = 0, scheduler: Optional[str] = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = make_net(seed=seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = make_optimizer(self.hparams.optimizer, self.parameters(), self.hparams.lr)
+        if self.hparams.scheduler == "step":
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+        return optimizer
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "sgd_nesterov_wd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-2)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr * 0.1)
+    raise ValueError(name)
+
+
+def trainer(**kwargs: Any) -> L.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+def loader(dataset: TensorDataset, batch_size: int = 8, **kwargs: Any) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
+
+
+class ReplicaSnapshot(L.Callback):
+    """Keeps a copy of the strategy's replica state at the end of training (teardown frees it)."""
+
+    state: Optional[dict[str, Any]] = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = trainer.strategy.stack.state_dict()
+        self.params = {n: p.detach().clone() for n, p in trainer.strategy.stack.params.items()}
+
+
+def reference_sma(
+    net: nn.Module,
+    batches: Sequence[tuple[Tensor, Tensor]],
+    k: int,
+    epochs: int,
+    make_opt: Callable[[Any], torch.optim.Optimizer],
+    alpha: float,
+    mu: float,
+    world_batches: Optional[Sequence[Sequence[tuple[Tensor, Tensor]]]] = None,
+) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """Crossbow's SMA written out plainly: K separate models and optimizers, one loop per learner.
+
+    ``world_batches`` (one batch list per process) makes ``K = k x len(world_batches)`` learners; the
+    learners of process ``r`` are ``r*k .. r*k+k-1``. Returns z and every learner's weights.
+    """
+    per_process = world_batches if world_batches is not None else [batches]
+    learners = [copy.deepcopy(net) for _ in range(k * len(per_process))]
+    optimizers = [make_opt(m.parameters()) for m in learners]
+    z = [p.detach().clone() for p in net.parameters()]
+    z_prev = [t.clone() for t in z]
+    steps_per_epoch = len(per_process[0]) // k
+    for _ in range(epochs):
+        for step in range(steps_per_epoch):
+            corrections = [[alpha * (w.detach() - zc) for w, zc in zip(m.parameters(), z)] for m in learners]
+            for learner_index, (model, optimizer) in enumerate(zip(learners, optimizers)):
+                process, j = divmod(learner_index, k)
+                x, y = per_process[process][step * k + j]
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            with torch.no_grad():
+                for model, c in zip(learners, corrections):
+                    for w, cw in zip(model.parameters(), c):
+                        w -= cw
+                new_z = []
+                for i, (zc, zp) in enumerate(zip(z, z_prev)):
+                    total = sum(c[i] for c in corrections)
+                    new_z.append(zc + total + mu * (zc - zp))
+                z_prev, z = z, new_z
+    return z, [[p.detach() for p in m.parameters()] for m in learners]

@@ -1,0 +1,98 @@
+"""Bad input fails before training with an error that names the argument and what is allowed."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_crossbow import CrossbowAccelerator, CrossbowStrategy
+from tests.helpers import Classifier, loader, make_data, trainer
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "4", None])
+def test_replicas_per_device_must_be_a_positive_int(value) -> None:
+    with pytest.raises(ValueError, match=r"replicas_per_device must be a positive int .* got"):
+        CrossbowStrategy(replicas_per_device=value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.5, math.nan, "0.5"])
+def test_alpha_must_lie_in_zero_one(value) -> None:
+    with pytest.raises(ValueError, match=r"alpha must be a number in \(0, 1\] or None"):
+        CrossbowStrategy(alpha=value)
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1, 2, math.inf])
+def test_central_momentum_must_lie_in_zero_one(value) -> None:
+    with pytest.raises(ValueError, match=r"central_momentum must be a number in \[0, 1\)"):
+        CrossbowStrategy(central_momentum=value)
+
+
+@pytest.mark.parametrize("value", ["streams", "vmap", ""])
+def test_unknown_engine(value) -> None:
+    with pytest.raises(ValueError, match=r"engine must be one of 'auto', 'fused', 'sequential'"):
+        CrossbowStrategy(engine=value)
+
+
+class _Manual(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class _TwoOptimizers(Classifier):
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
+
+
+class _LBFGS(Classifier):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+class MySGD(torch.optim.SGD):
+    pass
+
+
+class _Custom(Classifier):
+    def configure_optimizers(self):
+        return MySGD(self.parameters(), lr=0.1)
+
+
+class _NeverTrains(L.Callback):
+    def on_train_batch_start(self, *args) -> None:
+        raise AssertionError("training started")
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "pattern"),
+    [
+        (_Manual, RuntimeError, "automatic optimization only"),
+        (_TwoOptimizers, RuntimeError, "exactly one optimizer from configure_optimizers, got several"),
+        (_LBFGS, TypeError, "cannot use the optimizer LBFGS: it is not known to be element-wise"),
+        (_Custom, TypeError, r"MySGD.*elementwise_optimizers=\[MySGD\]"),
+    ],
+)
+def test_unsupported_training_setups_fail_before_training(model, error, pattern) -> None:
+    with pytest.raises(error, match=pattern):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2), callbacks=[_NeverTrains()]).fit(
+            model(), loader(make_data())
+        )
+
+
+def test_a_declared_elementwise_optimizer_is_accepted() -> None:
+    model = _Custom()
+    strategy = CrossbowStrategy(replicas_per_device=2, elementwise_optimizers=[MySGD])
+    trainer(strategy=strategy, max_steps=1).fit(model, loader(make_data()))
+    assert model.trainer.global_step == 1
+
+
+def test_strategy_and_accelerator_names_are_registered() -> None:
+    t = L.Trainer(strategy="crossbow", logger=False)
+    assert isinstance(t.strategy, CrossbowStrategy)
+    assert L.Trainer(strategy="crossbow_spawn", logger=False).strategy._start_method == "spawn"
+    t = L.Trainer(strategy="crossbow", accelerator="crossbow", devices=1, logger=False)
+    assert isinstance(t.accelerator, CrossbowAccelerator)
+    assert t.strategy.root_device.type == ("cuda" if torch.cuda.is_available() else "cpu")

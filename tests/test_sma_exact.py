@@ -1,0 +1,68 @@
+"""Crossbow inside Lightning reproduces an independent SMA reference loop, value for value."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_crossbow import CrossbowStrategy
+from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, make_net, make_optimizer, reference_sma, trainer
+
+CASES = [
+    # k, optimizer, alpha, central_momentum, engine
+    (1, "sgd", None, 0.9, "auto"),
+    (2, "sgd", None, 0.9, "fused"),
+    (2, "sgd", None, 0.9, "sequential"),
+    (4, "sgd", None, 0.9, "fused"),
+    (4, "sgd", 0.1, 0.5, "sequential"),
+    (4, "adam", None, 0.9, "fused"),
+    (4, "adam", 0.3, 0.0, "sequential"),
+    (2, "sgd_nesterov_wd", 0.2, 0.7, "fused"),
+]
+
+
+@pytest.mark.parametrize(("k", "optimizer", "alpha", "mu", "engine"), CASES)
+def test_matches_reference_across_epochs(k: int, optimizer: str, alpha, mu: float, engine: str) -> None:
+    dataset = make_data(num_samples=80)  # 10 batches of 8: with k=4 two batches per epoch are skipped
+    epochs = 2
+    model = Classifier(optimizer=optimizer)
+    snapshot = ReplicaSnapshot()
+    strategy = CrossbowStrategy(replicas_per_device=k, alpha=alpha, central_momentum=mu, engine=engine)
+    trainer(strategy=strategy, max_epochs=epochs, callbacks=[snapshot]).fit(model, loader(dataset))
+
+    batches = list(loader(dataset))
+    z, learners = reference_sma(
+        make_net(),
+        batches,
+        k,
+        epochs,
+        lambda params: make_optimizer(optimizer, params, 0.1),
+        alpha=alpha if alpha is not None else 1.0 / k,
+        mu=mu,
+    )
+    for (name, param), expected in zip(model.net.named_parameters(), z):
+        torch.testing.assert_close(param.detach(), expected, msg=f"z differs in {name}")
+    for index, (name, stacked) in enumerate(snapshot.params.items()):
+        for j in range(k):
+            torch.testing.assert_close(stacked[j], learners[j][index], msg=f"replica {j} differs in {name}")
+
+
+class _ReplicasAfterFirstStep(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.replicas = {n: p.detach().clone() for n, p in trainer.strategy.stack.params.items()}
+
+
+def test_alpha_one_over_k_without_momentum_makes_z_the_mean_of_pre_step_replicas() -> None:
+    """The sum-not-mean property of the rule: with alpha=1/K, mu=0, z_next = mean_j w_j (pre-step)."""
+    dataset = make_data(num_samples=64)  # 8 batches of 8 = two steps of k=4
+    model = Classifier()
+    initial = [p.detach().clone() for p in model.net.parameters()]
+    capture = _ReplicasAfterFirstStep()
+    strategy = CrossbowStrategy(replicas_per_device=4, central_momentum=0.0)
+    trainer(strategy=strategy, max_steps=2, callbacks=[capture]).fit(model, loader(dataset))
+    assert model.trainer.global_step == 2
+    for (name, param), before in zip(model.net.named_parameters(), initial):
+        assert not torch.equal(param.detach(), before)
+        torch.testing.assert_close(param.detach(), capture.replicas["net." + name].mean(0))
