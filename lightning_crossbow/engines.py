@@ -165,12 +165,16 @@ class AutoEngine(Engine):
         if self._proven or self.active is self.sequential:
             return self.active.run(stack, batches, args, capture)
         saved_buffers = {name: b.clone() for name, b in stack.buffers.items()}
+        saved_metrics = {metric: dict(vars(metric)) for metric in _metrics_of(self.module)}
         try:
             output = self.fused.run(stack, batches, args, capture)
+            _check_no_escaped_metric_state(saved_metrics)
         except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
             with torch.no_grad():
                 for name, saved in saved_buffers.items():
                     stack.buffers[name].copy_(saved)
+            for metric, state in saved_metrics.items():
+                vars(metric).update(state)
             capture.clear()
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             warnings.warn(
@@ -192,6 +196,29 @@ def make_engine(name: str, module: nn.Module, num_replicas: int) -> Engine:
     if name == "sequential" or num_replicas == 1:
         return SequentialEngine(module)
     return FusedEngine(module) if name == "fused" else AutoEngine(module)
+
+
+def _metrics_of(module: nn.Module) -> list[nn.Module]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return []
+    return [m for m in module.modules() if isinstance(m, Metric)]
+
+
+def _check_no_escaped_metric_state(saved_metrics: Mapping[nn.Module, dict[str, Any]]) -> None:
+    """A torchmetrics update under vmap stores per-replica (batched) tensors in the metric: refuse it."""
+    from torch._C._functorch import is_functorch_wrapped_tensor
+
+    for metric in saved_metrics:
+        for name in getattr(metric, "_defaults", {}):
+            values = getattr(metric, name)
+            for value in values if isinstance(values, list) else [values]:
+                if isinstance(value, Tensor) and is_functorch_wrapped_tensor(value):
+                    raise NotFusableError(
+                        f"training_step updates the torchmetrics metric {type(metric).__name__}, whose state"
+                        " cannot hold per-replica values under vmap"
+                    )
 
 
 def _stackable(batches: Sequence[Any]) -> bool:

@@ -25,6 +25,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -137,7 +138,7 @@ class CrossbowStrategy(DDPStrategy):
         self._step_losses: Optional[Tensor] = None
         self._last_lrs: Optional[list[float]] = None
         self._buffers_stale = False
-        self._pending_state: Optional[dict[str, Any]] = None
+        self._final_state: Optional[dict[str, Any]] = None
         self._step_started: Optional[float] = None
         self.samples_per_second: Optional[float] = None
 
@@ -206,6 +207,7 @@ class CrossbowStrategy(DDPStrategy):
         self.engine = make_engine(self.engine_name, module, self.replicas_per_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_per_replica  # type: ignore[method-assign]
         self._last_lrs = None
+        self._final_state = None
 
     def _check_same_config_on_all_ranks(self) -> None:
         config = (self.replicas_per_device, self._alpha, self.central_momentum, self.engine_name)
@@ -355,6 +357,8 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self.sync_center_buffers()
+        # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.
+        self._final_state = self._strategy_state() if self.stack is not None else None
 
     # ---------------------------------------------------------------------------- checkpoints
     @override
@@ -366,15 +370,16 @@ class CrossbowStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        if self.stack is not None:
-            checkpoint[_CHECKPOINT_KEY] = self._strategy_state()  # gathers from every rank
+        state = self._strategy_state() if self.stack is not None else self._final_state  # gathers from every rank
+        if state is not None:
+            checkpoint[_CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _strategy_state(self) -> dict[str, Any]:
         assert self.stack is not None
         local: dict[str, Any] = {"stack": self.stack.state_dict()}
         if self.global_rank != 0:  # rank 0's optimizer state is Lightning's own "optimizer_states"
-            local["optimizer"] = self.optimizers[0].state_dict()
+            local["optimizer"] = apply_to_collection(self.optimizers[0].state_dict(), Tensor, _cpu_copy)
         ranks = [local]
         if self.world_size > 1:
             ranks = [None] * self.world_size
@@ -386,12 +391,6 @@ class CrossbowStrategy(DDPStrategy):
             "last_lrs": self._last_lrs,
             "ranks": ranks,
         }
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._pending_state = checkpoint.get(_CHECKPOINT_KEY)
-        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -459,6 +458,10 @@ def _is_real(value: Any) -> bool:
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int (1, 2, 3, ...), got {value!r}.")
+
+
+def _cpu_copy(tensor: Tensor) -> Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _batch_size_of(module: "pl.LightningModule") -> Optional[int]:

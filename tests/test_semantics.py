@@ -1,0 +1,357 @@
+"""Unchanged LightningModules keep working: data, schedulers, checkpoints, logging, metrics, layers."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torchmetrics
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+
+from lightning_crossbow import CrossbowStrategy
+from lightning_crossbow.data import ReplicaBatchLoader
+from lightning_crossbow.engines import FusedEngine, SequentialEngine
+from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, trainer
+
+
+# ------------------------------------------------------------------------------------------ data
+def test_replica_batch_loader_groups_consecutive_batches_and_drops_an_incomplete_group() -> None:
+    grouped = ReplicaBatchLoader(list(range(10)), 4)
+    assert list(grouped) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len(grouped) == 2 and grouped.dropped_batches() == 2
+
+
+def test_one_process_keeps_the_users_loader_and_sampler() -> None:
+    model = Classifier()
+    t = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=1)
+    t.fit(model, loader(make_data()))
+    assert isinstance(t.train_dataloader, ReplicaBatchLoader)
+    assert isinstance(t.train_dataloader.loader.sampler, SequentialSampler)
+    assert t.num_training_batches == 5  # 10 batches / k=2
+
+
+def test_an_incomplete_last_group_is_announced() -> None:
+    with pytest.warns(UserWarning, match=r"10 batches, not a multiple of replicas_per_device=4; the last 2"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=4), max_steps=1).fit(Classifier(), loader(make_data()))
+
+
+def test_a_ragged_last_batch_runs_sequentially_in_the_fused_engine() -> None:
+    dataset = make_data(num_samples=60)  # batches of 8: the 8th has 4 samples
+    model, snapshot = Classifier(), ReplicaSnapshot()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="fused"), callbacks=[snapshot]).fit(
+        model, loader(dataset)
+    )
+    assert model.trainer.global_step == 2 and torch.isfinite(next(model.parameters())).all()
+
+
+class _DictBatches(Classifier):
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        (x,), y = batch["inputs"], batch["meta"]["target"]
+        loss = nn.functional.cross_entropy(self(x), y)
+        return {"loss": loss, "scaled": 2 * loss.detach()}
+
+
+class _DictDataset(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.data = make_data()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        x, y = self.data[i]
+        return {"inputs": [x], "meta": {"target": y, "tag": "same"}}
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_nested_dict_list_batches_and_dict_outputs(engine: str) -> None:
+    results = {}
+    for name in ("fused", engine):
+        model = _DictBatches()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=name)).fit(
+                model, DataLoader(_DictDataset(), batch_size=8)
+            )
+        assert not [w for w in record if "Falling back" in str(w.message)]
+        results[name] = [p.detach() for p in model.parameters()]
+    for a, b in zip(results["fused"], results[engine]):
+        torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------------------ schedulers
+class _ReplicaSpread(Classifier):
+    """Records, at the first step of every epoch, how far the replicas are from z (sequential engine)."""
+
+    spread: dict[int, float]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 0:
+            bucket = self.trainer.strategy.stack.buckets[0]
+            self.spread = getattr(self, "spread", {})
+            self.spread.setdefault(self.current_epoch, float((bucket.replicas - bucket.center).abs().max()))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_replicas_reset_to_z_when_the_learning_rate_drops(reset: bool) -> None:
+    model = _ReplicaSpread(scheduler="step")
+    strategy = CrossbowStrategy(replicas_per_device=2, engine="sequential", reset_on_lr_drop=reset)
+    trainer(strategy=strategy, max_epochs=3).fit(model, loader(make_data()))
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    assert model.spread[0] == 0.0  # replicas start as copies of z
+    if reset:
+        assert model.spread[1] == 0.0 and model.spread[2] == 0.0
+    else:
+        assert model.spread[1] > 0.0 and model.spread[2] > 0.0
+
+
+class _Plateau(Classifier):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.1, threshold=10.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
+
+
+class _PerStep(Classifier):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_plateau_and_per_step_schedulers_drive_every_replica() -> None:
+    model = _Plateau()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2).fit(
+        model, loader(make_data()), loader(make_data(seed=1))
+    )
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
+    model = _PerStep()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1).fit(model, loader(make_data()))
+    assert model.trainer.global_step == 5
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 / 6)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_checkpoint_has_the_plain_keys_and_loads_in_plain_lightning(tmp_path) -> None:
+    model = Classifier()
+    t = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
+    t.fit(model, loader(make_data()))
+    path = tmp_path / "z.ckpt"
+    t.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    assert list(checkpoint["state_dict"]) == list(Classifier().state_dict())
+    restored = Classifier.load_from_checkpoint(path)
+    for a, b in zip(restored.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    plain = trainer(strategy="auto").validate(restored, loader(make_data(seed=1)), verbose=False)
+    ours = t.validate(model, loader(make_data(seed=1)), verbose=False)
+    assert plain[0]["val_loss"] == pytest.approx(ours[0]["val_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize(("optimizer", "engine"), [("sgd", "fused"), ("adam", "sequential")])
+def test_resume_continues_the_same_trajectory_bitwise(tmp_path, optimizer: str, engine: str) -> None:
+    def run(epochs: int, ckpt_path=None, save_to=None):
+        model, snapshot = Classifier(optimizer=optimizer, scheduler="step"), ReplicaSnapshot()
+        strategy = CrossbowStrategy(replicas_per_device=2, engine=engine)
+        t = trainer(strategy=strategy, max_epochs=epochs, callbacks=[snapshot])
+        t.fit(model, loader(make_data()), ckpt_path=ckpt_path)
+        if save_to:
+            t.save_checkpoint(save_to)
+        return model, snapshot
+
+    straight, straight_snapshot = run(4)
+    run(2, save_to=tmp_path / "half.ckpt")
+    resumed, resumed_snapshot = run(4, ckpt_path=tmp_path / "half.ckpt")
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    for name in straight_snapshot.params:
+        assert torch.equal(straight_snapshot.params[name], resumed_snapshot.params[name])
+
+
+def test_resume_with_another_k_reseeds_from_z_with_a_warning(tmp_path) -> None:
+    model = Classifier()
+    t = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
+    t.fit(model, loader(make_data()))
+    t.save_checkpoint(tmp_path / "k2.ckpt")
+    with pytest.warns(UserWarning, match="replicas_per_device=2 x world_size=1 with replicas_per_device=4"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=4), max_epochs=2).fit(
+            Classifier(), loader(make_data()), ckpt_path=tmp_path / "k2.ckpt"
+        )
+
+
+# ----------------------------------------------------------------------------- logging, metrics
+class _LogsBatchMean(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.log("x_mean", x.mean())
+        self.log_dict({"x_max": x.max(), "const": 3.0})
+        return nn.functional.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_logged_values_are_the_mean_over_replicas(engine: str) -> None:
+    dataset = make_data(num_samples=32)
+    model = _LogsBatchMean()
+    t = trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine=engine), max_steps=1)
+    t.fit(model, loader(dataset))
+    batches = [x for x, _ in loader(dataset)]
+    torch.testing.assert_close(t.callback_metrics["x_mean"], torch.stack([x.mean() for x in batches]).mean())
+    torch.testing.assert_close(t.callback_metrics["x_max"], torch.stack([x.max() for x in batches]).mean())
+    assert float(t.callback_metrics["const"]) == 3.0
+
+
+class _WithMetric(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples = torchmetrics.SumMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.samples.update(torch.ones_like(y).sum())
+        self.log("samples", self.samples, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def test_torchmetrics_in_training_step_falls_back_to_sequential_once_and_counts_every_replica() -> None:
+    model = _WithMetric()
+    strategy = CrossbowStrategy(replicas_per_device=2)
+    with pytest.warns(UserWarning, match=r"cannot run fused under torch.func.vmap \(.+\)\. Falling back") as record:
+        trainer(strategy=strategy, max_epochs=1).fit(model, loader(make_data()))
+    assert sum("Falling back" in str(w.message) for w in record) == 1
+    assert float(model.trainer.callback_metrics["samples"]) == 80  # every replica's samples, counted once
+
+
+class _BatchNormNet(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_batchnorm_statistics_per_replica_and_their_mean_in_z() -> None:
+    model, snapshot = _BatchNormNet(), ReplicaSnapshot()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), callbacks=[snapshot]).fit(model, loader(make_data()))
+    stacked_mean = snapshot.state["buffers"]["net.1.running_mean"]
+    assert not torch.allclose(stacked_mean[0], stacked_mean[1])
+    torch.testing.assert_close(model.net[1].running_mean, stacked_mean.mean(0))
+    torch.testing.assert_close(model.net[1].running_var, snapshot.state["buffers"]["net.1.running_var"].mean(0))
+
+
+class _Dropout(Classifier):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.Dropout(p), nn.Linear(32, 3))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_dropout_draws_differ_per_replica(p: float) -> None:
+    x, y = make_data(num_samples=8)[:]
+    same_batches = TensorDataset(x.repeat(2, 1), y.repeat(2))  # both replicas get identical batches
+    model, snapshot = _Dropout(p), ReplicaSnapshot()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="fused"), max_steps=1, callbacks=[snapshot]).fit(
+        model, loader(same_batches)
+    )
+    weight = snapshot.params["net.0.weight"]
+    assert torch.equal(weight[0], weight[1]) == (p == 0.0)
+
+
+# ------------------------------------------------------------------------- optimisation knobs
+def test_gradient_clipping_applies_per_replica() -> None:
+    dataset = make_data(num_samples=16)
+    model, snapshot = Classifier(), ReplicaSnapshot()
+    initial = {f"net.{n}": p.detach().clone() for n, p in model.net.named_parameters()}
+    strategy = CrossbowStrategy(replicas_per_device=2)
+    trainer(strategy=strategy, max_steps=1, gradient_clip_val=0.01, callbacks=[snapshot]).fit(model, loader(dataset))
+    # Independent reference: each replica clips its own gradient, then one SGD step (c_j = 0 at step 1).
+    for j, (x, y) in enumerate(loader(dataset)):
+        reference = Classifier()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(snapshot.params[name][j], initial[name] - 0.1 * p.grad)
+
+
+def test_accumulate_grad_batches_accumulates_per_replica() -> None:
+    dataset = make_data(num_samples=32)  # 4 batches = 2 groups of k=2 = one optimizer step
+    model, snapshot = Classifier(), ReplicaSnapshot()
+    initial = {f"net.{n}": p.detach().clone() for n, p in model.net.named_parameters()}
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), accumulate_grad_batches=2, callbacks=[snapshot]).fit(
+        model, loader(dataset)
+    )
+    assert model.trainer.global_step == 1
+    batches = list(loader(dataset))
+    for j in range(2):
+        reference = Classifier()
+        for x, y in (batches[j], batches[2 + j]):  # replica j takes the j-th batch of each group
+            (nn.functional.cross_entropy(reference(x), y) / 2).backward()
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(snapshot.params[name][j], initial[name] - 0.1 * p.grad)
+
+
+class _AutocastProbe(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.autocast_seen = torch.is_autocast_enabled("cpu")
+        return super().training_step(batch, batch_idx)
+
+
+def test_bf16_mixed_autocasts_on_the_cpu() -> None:
+    model = _AutocastProbe()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), precision="bf16-mixed", max_steps=2).fit(
+        model, loader(make_data())
+    )
+    assert model.autocast_seen and torch.isfinite(next(model.parameters())).all()
+
+
+def test_callbacks_and_loggers_see_the_central_model(tmp_path) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1)
+    t = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2),
+        max_epochs=20,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=True,
+        callbacks=[checkpoint, EarlyStopping("val_loss", patience=1, min_delta=10.0), LearningRateMonitor()],
+    )
+    model = Classifier(scheduler="step")
+    t.fit(model, loader(make_data()), loader(make_data(seed=1)))
+    assert t.current_epoch == 2  # stopped early: no improvement of 10.0
+    best = Classifier.load_from_checkpoint(checkpoint.best_model_path)
+    assert set(best.state_dict()) == set(model.state_dict())
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "lr-SGD" in metrics and "val_loss" in metrics
+
+
+# --------------------------------------------------------------------------------- robustness
+def test_a_non_finite_replica_is_reset_to_z_and_training_continues() -> None:
+    x, y = make_data(num_samples=64)[:]
+    x[5 * 8] = float("nan")  # batch 5 = replica 1 of step 1 (k=4)
+    model, snapshot = Classifier(), ReplicaSnapshot()
+    with pytest.warns(UserWarning, match=r"replica 1 on rank 0 has a non-finite loss \(nan\) at step 1"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=4), max_steps=2, callbacks=[snapshot]).fit(
+            model, loader(TensorDataset(x, y))
+        )
+    assert model.trainer.global_step == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for stacked in snapshot.params.values():
+        assert torch.isfinite(stacked).all()
+    assert torch.equal(snapshot.params["net.0.weight"][1], model.net[0].weight.detach())
+
+
+def test_one_replica_needs_no_vmap() -> None:
+    strategy = CrossbowStrategy(replicas_per_device=1)
+    engines = []
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            engines.append(trainer.strategy.engine)
+
+    trainer(strategy=strategy, max_steps=1, callbacks=[Probe()]).fit(Classifier(), loader(make_data()))
+    assert type(engines[0]) is SequentialEngine
+    strategy = CrossbowStrategy(replicas_per_device=2, engine="fused")
+    trainer(strategy=strategy, max_steps=1, callbacks=[Probe()]).fit(Classifier(), loader(make_data()))
+    assert type(engines[1]) is FusedEngine
