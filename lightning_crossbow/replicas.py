@@ -131,6 +131,13 @@ class ReplicaStack:
             for j in range(self.num_replicas)
         ]
 
+    @torch.no_grad()
+    def divergence(self) -> Tensor:
+        """``mean_j ||w_j - z|| / ||z||`` over the local replicas (all parameters as one vector)."""
+        squared_diff = sum(((b.replicas - b.center) ** 2).sum(1) for b in self.buckets)
+        squared_center = sum((b.center**2).sum() for b in self.buckets)
+        return (squared_diff.sqrt() / squared_center.sqrt().clamp(min=1e-12)).mean()
+
     # ------------------------------------------------------------------------------- updates
     @torch.no_grad()
     def reset_replicas_(self, module: nn.Module, rows: Optional[Tensor] = None, buffers: bool = False) -> None:

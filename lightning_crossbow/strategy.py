@@ -24,12 +24,13 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -166,9 +167,17 @@ class CrossbowStrategy(DDPStrategy):
             self.accelerator = CrossbowAccelerator(self.root_device.type)
 
     @override
-    def configure_ddp(self) -> None:
-        # No DistributedDataParallel: no gradient all-reduce. Every rank starts from rank 0's weights.
-        _sync_module_states(self.model)
+    def setup_distributed(self) -> None:
+        if self.world_size > 1:
+            super().setup_distributed()
+            return
+        # One process needs no process group (and no port): collectives are identities.
+        reset_seed()
+        self.set_world_ranks()
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # never DistributedDataParallel: no gradient all-reduce
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -181,11 +190,14 @@ class CrossbowStrategy(DDPStrategy):
                 " once per replica nor apply the model averaging after every replica's step."
             )
         try:
-            super().setup(trainer)
+            # The base Strategy's set-up: DDPStrategy's would wrap the module in DistributedDataParallel.
+            Strategy.setup(self, trainer)
         except (MisconfigurationException, RuntimeError) as error:
             if "multiple optimizers" in str(error):  # Lightning's own advice (manual optimization) does not apply
                 raise RuntimeError(_ONE_OPTIMIZER.format(count="several")) from error
             raise
+        if self.world_size > 1:
+            _sync_module_states(self.model)  # every rank starts from rank 0's weights
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.device != self.root_device.type:
             self.precision_plugin.device = self.root_device.type  # autocast on the device we run on
         if fitting:
@@ -266,10 +278,24 @@ class CrossbowStrategy(DDPStrategy):
         with self.precision_plugin.train_step_context():
             output = self.engine.run(self.stack, batches, rest, self._log_capture)
         self._log_capture.replay(module)
+        self._log_crossbow_metrics(module)
         losses = output.losses.detach()
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
         loss = output.losses.sum()
         return {"loss": loss, **output.extras} if output.returned_dict else loss
+
+    def _log_crossbow_metrics(self, module: "pl.LightningModule") -> None:
+        """Logs k, samples/s (both on the progress bar) and the replicas' spread at logging steps."""
+        trainer = module.trainer
+        if trainer.global_step % max(trainer.log_every_n_steps, 1):
+            return
+        assert self.stack is not None
+        metrics = {"crossbow/replicas_per_device": float(self.replicas_per_device)}
+        if self.samples_per_second is not None:
+            metrics["crossbow/samples_per_sec"] = self.samples_per_second
+        module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+        module.log("crossbow/replica_divergence", self.stack.divergence(), on_step=True, on_epoch=False, batch_size=1)
+        module.log("crossbow/lr", float(self.optimizers[0].param_groups[0]["lr"]), on_step=True, on_epoch=False, batch_size=1)
 
     @override
     def optimizer_step(

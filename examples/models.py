@@ -1,0 +1,88 @@
+"""Example models: an ordinary LightningModule classifier around a small network."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from torch import Tensor, nn
+
+
+def conv1d_net(in_features: int = 40, num_classes: int = 10, channels: int = 32) -> nn.Module:
+    """The MNIST-1D CNN of the research notes: three 1-D convolutions, two poolings, a linear head."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, in_features)),
+        nn.Conv1d(1, channels, 5, padding=2),
+        nn.ReLU(),
+        nn.Conv1d(channels, channels, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(channels, channels, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Flatten(),
+        nn.Linear(channels * (in_features // 4), num_classes),
+    )
+
+
+def mlp(in_features: int = 40, num_classes: int = 10, hidden: int = 128, depth: int = 2) -> nn.Module:
+    """A ReLU multi-layer perceptron."""
+    layers: list[nn.Module] = []
+    width = in_features
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    return nn.Sequential(*layers, nn.Linear(width, num_classes))
+
+
+class Classifier(L.LightningModule):
+    """Cross-entropy classification with SGD (momentum) and an optional step LR schedule.
+
+    Nothing here knows about crossbow: this is the module a user already has.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        num_classes: int = 10,
+        lr: float = 0.01,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        lr_milestones: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["net"])
+        self.net = net
+        self.val_accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
+        self.test_accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_accuracy(logits, y)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), prog_bar=True)
+        self.log("val_acc", self.val_accuracy, prog_bar=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.test_accuracy(self(x), y)
+        self.log("test_acc", self.test_accuracy)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        if not hp.lr_milestones:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp.lr_milestones), gamma=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
