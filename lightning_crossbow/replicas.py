@@ -124,6 +124,10 @@ class ReplicaStack:
 
     def unbind(self) -> list[tuple[dict[str, Tensor], dict[str, Tensor]]]:
         """All replicas' parameters and buffers, one ``unbind`` per stacked tensor."""
+        if self.num_replicas == 1:  # a view whose backward is a reshape, not a stack of gradients
+            return [
+                ({n: t.squeeze(0) for n, t in self.params.items()}, {n: t.squeeze(0) for n, t in self.buffers.items()})
+            ]
         params = {name: stack.unbind(0) for name, stack in self.params.items()}
         buffers = {name: stack.unbind(0) for name, stack in self.buffers.items()}
         return [

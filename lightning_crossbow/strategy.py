@@ -142,6 +142,7 @@ class CrossbowStrategy(DDPStrategy):
         self._final_state: Optional[dict[str, Any]] = None
         self._step_started: Optional[float] = None
         self.samples_per_second: Optional[float] = None
+        self._batch_size: Optional[int] = None
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -243,6 +244,7 @@ class CrossbowStrategy(DDPStrategy):
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         grouped = ReplicaBatchLoader(dataloader, self.replicas_per_device)
+        self._batch_size = getattr(dataloader, "batch_size", None)
         dropped = grouped.dropped_batches()
         if dropped:
             rank_zero_warn(
@@ -348,9 +350,8 @@ class CrossbowStrategy(DDPStrategy):
         if self._step_started is None:
             return
         elapsed = time.perf_counter() - self._step_started
-        batch_size = _batch_size_of(self.lightning_module)
-        if elapsed > 0 and batch_size:
-            rate = self.replicas_per_device * batch_size / elapsed
+        if elapsed > 0 and self._batch_size:
+            rate = self.replicas_per_device * self._batch_size / elapsed
             previous = self.samples_per_second
             self.samples_per_second = rate if previous is None else 0.9 * previous + 0.1 * rate
             if isinstance(self.accelerator, CrossbowAccelerator):
@@ -488,9 +489,3 @@ def _check_positive_int(name: str, value: Any) -> None:
 
 def _cpu_copy(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu", copy=True)
-
-
-def _batch_size_of(module: "pl.LightningModule") -> Optional[int]:
-    loader = module.trainer.train_dataloader
-    loader = getattr(loader, "loader", loader)
-    return getattr(loader, "batch_size", None)

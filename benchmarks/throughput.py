@@ -1,0 +1,117 @@
+"""Hardware efficiency inside Lightning: samples/s of crossbow against plain Lightning, one process.
+
+Every configuration trains the MNIST-1D CNN (examples/models.py) on MNIST-1D-shaped data in the
+same process; configurations are interleaved and repeated, and the median is reported, so ratios
+are measured side by side on this (shared, noisy) machine.
+
+    python benchmarks/throughput.py            # the core issue's comparisons, 5 repetitions
+    python benchmarks/throughput.py --quick    # 3 repetitions, fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.models import Classifier, conv1d_net  # noqa: E402
+from lightning_crossbow import CrossbowStrategy  # noqa: E402
+
+
+class StepTimer(L.Callback):
+    """Wall time of the training steps after ``warmup`` steps (batch start to batch start)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.start: Optional[float] = None
+        self.end: Optional[float] = None
+        self.steps = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.warmup:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx >= self.warmup:
+            self.end = time.perf_counter()
+            self.steps = batch_idx - self.warmup + 1
+
+
+def samples_per_second(strategy: Any, k: int, batch_size: int, steps: int, warmup: int) -> float:
+    """Trains ``warmup + steps`` steps of ``k`` batches of ``batch_size``; returns measured samples/s."""
+    torch.manual_seed(0)
+    n = (warmup + steps) * k * batch_size
+    data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
+    timer = StepTimer(warmup)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    model = Classifier(conv1d_net(40, 10), lr=0.01)
+    trainer.fit(model, DataLoader(data, batch_size=batch_size))
+    return timer.steps * k * batch_size / (timer.end - timer.start)
+
+
+def configurations(per_replica_batch: int, k: int) -> dict[str, tuple[Any, int, int]]:
+    """name -> (strategy factory, replicas, batch size)."""
+    return {
+        f"crossbow k={k} fused b={per_replica_batch}": (lambda: CrossbowStrategy(k, engine="fused"), k, per_replica_batch),
+        f"crossbow k={k} sequential b={per_replica_batch}": (lambda: CrossbowStrategy(k, engine="sequential"), k, per_replica_batch),
+        f"plain b={k * per_replica_batch}": (lambda: "auto", 1, k * per_replica_batch),
+        f"crossbow k=1 b={per_replica_batch}": (lambda: CrossbowStrategy(1), 1, per_replica_batch),
+        f"plain b={per_replica_batch}": (lambda: "auto", 1, per_replica_batch),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / "throughput.json")
+    args = parser.parse_args()
+    repeats, steps, warmup = (3, 40, 10) if args.quick else (5, 80, 10)
+    configs = configurations(args.batch_size, args.replicas)
+    measured: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(repeats):  # interleaved: every repetition runs every configuration once
+        for name, (strategy, k, batch) in configs.items():
+            measured[name].append(samples_per_second(strategy(), k, batch, steps, warmup))
+    median = {name: statistics.median(values) for name, values in measured.items()}
+    k, b = args.replicas, args.batch_size
+    ratios = {
+        f"fused / sequential (k={k}, target >= 2)": median[f"crossbow k={k} fused b={b}"] / median[f"crossbow k={k} sequential b={b}"],
+        f"fused k={k} / plain b={k * b} (target >= 0.8)": median[f"crossbow k={k} fused b={b}"] / median[f"plain b={k * b}"],
+        f"crossbow k=1 / plain b={b} (target >= 0.85)": median[f"crossbow k=1 b={b}"] / median[f"plain b={b}"],
+    }
+    print(f"\nsamples/s, median of {repeats} interleaved runs ({steps} timed steps each), torch {torch.__version__},"
+          f" lightning {L.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    for name, value in median.items():
+        spread = f"{min(measured[name]):.0f}-{max(measured[name]):.0f}"
+        print(f"  {name:<34} {value:>9.0f}   (range {spread})")
+    print("ratios:")
+    for name, value in ratios.items():
+        print(f"  {name:<48} {value:.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"samples_per_sec": measured, "median": median, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
