@@ -1,0 +1,102 @@
+"""The Hydra configs compose, bad values fail before training, and the example scripts run end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, InstantiationException
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from examples.train import build  # noqa: E402
+from lightning_crossbow import CrossbowStrategy  # noqa: E402
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+
+
+def _build(*overrides: str):
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg = _compose("~logger", *overrides)
+    HydraConfig.instance().set_config(cfg)
+    return build(cfg)
+
+
+def test_every_crossbow_argument_is_a_key_under_strategy() -> None:
+    cfg = _compose()
+    crossbow_arguments = {"replicas_per_device", "alpha", "central_momentum", "engine", "reset_on_lr_drop"}
+    assert crossbow_arguments <= set(cfg.strategy)
+
+
+def test_overrides_reach_the_strategy_trainer_and_data() -> None:
+    trainer, model, data = _build(
+        "strategy.replicas_per_device=3", "strategy.alpha=0.1", "data.batch_size=8", "trainer.max_epochs=2",
+        "model=mlp", "data=digits",
+    )
+    assert isinstance(trainer.strategy, CrossbowStrategy)
+    assert trainer.strategy.replicas_per_device == 3 and trainer.strategy.alpha == 0.1
+    assert data.batch_size == 8 and trainer.max_epochs == 2 and model.net[0].in_features == 64
+
+
+def test_baseline_strategies() -> None:
+    trainer, _, _ = _build("strategy=single")
+    assert not isinstance(trainer.strategy, CrossbowStrategy)
+
+
+def test_a_bad_strategy_value_names_the_key() -> None:
+    with pytest.raises(InstantiationException, match=r"replicas_per_device must be a positive int .* got 0"):
+        _build("strategy.replicas_per_device=0")
+
+
+def test_an_unknown_model_lists_the_available_ones() -> None:
+    with pytest.raises(ConfigCompositionException, match=r"(?s)model/resnet.*Available options.*cnn.*mlp"):
+        _compose("model=resnet")
+
+
+def test_a_misspelt_key_is_refused() -> None:
+    with pytest.raises(ConfigCompositionException, match=r"replicas_per_devic"):
+        _compose("strategy.replicas_per_devic=4")
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_train_app_runs_end_to_end_and_prints_the_result_line(tmp_path: Path) -> None:
+    result = _run(
+        str(ROOT / "examples" / "train.py"), "trainer.max_epochs=1", "data=digits", "model=mlp",
+        "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RESULT test_acc=" in result.stdout and "replicas_per_device=4" in result.stdout
+    assert (tmp_path / "result.json").exists()
+
+
+def test_multirun_collects_one_table(tmp_path: Path) -> None:
+    result = _run(
+        str(ROOT / "examples" / "train.py"), "-m", "strategy.replicas_per_device=1,2", "trainer.max_epochs=1",
+        "data=digits", "model=mlp", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "results.md").read_text()
+    assert "strategy.replicas_per_device=1" in table and "strategy.replicas_per_device=2" in table
+
+
+def test_drop_in_script_and_lightning_cli(tmp_path: Path) -> None:
+    result = _run(str(ROOT / "examples" / "drop_in.py"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RESULT val_acc=" in result.stdout
+    result = _run(
+        str(ROOT / "examples" / "drop_in.py"), "fit", "--trainer.strategy", "crossbow", "--trainer.max_epochs", "1",
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "crossbow: the training DataLoader has 94 batches" in result.stderr  # the CLI built crossbow
