@@ -168,6 +168,14 @@ class CrossbowStrategy(DDPStrategy):
             self.accelerator = CrossbowAccelerator(self.root_device.type)
 
     @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.num_processes * self.num_nodes == 1 and not self.cluster_environment.creates_processes_externally:
+            self._launcher = None  # one process: nothing to launch, no MASTER_*/LOCAL_RANK written to os.environ
+            return
+        super()._configure_launcher()
+
+    @override
     def setup_distributed(self) -> None:
         if self.world_size > 1:
             super().setup_distributed()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,10 @@ SCRIPT = Path(__file__).with_name("multiprocess_script.py")
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    launcher_variables = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {key: value for key, value in os.environ.items() if key not in launcher_variables}
     return subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True, timeout=300, env=env
     )
 
 

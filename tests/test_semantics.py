@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -355,3 +356,12 @@ def test_one_replica_needs_no_vmap() -> None:
     strategy = CrossbowStrategy(replicas_per_device=2, engine="fused")
     trainer(strategy=strategy, max_steps=1, callbacks=[Probe()]).fit(Classifier(), loader(make_data()))
     assert type(engines[1]) is FusedEngine
+
+
+def test_one_process_launches_nothing_and_leaves_the_environment_alone(monkeypatch) -> None:
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    t = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=1)
+    t.fit(Classifier(), loader(make_data()))
+    assert t.strategy.launcher is None
+    assert not {"LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
