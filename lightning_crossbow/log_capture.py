@@ -86,15 +86,12 @@ class LogCapture:
 
 
 def _mean_over_replicas(logged: _Logged) -> Any:
-    values = [v for v in logged.per_replica if not isinstance(v, Tensor)]
-    tensors = [v.detach() for v in logged.per_replica if isinstance(v, Tensor)]
-    if values and not tensors and not logged.stacked:
-        first = values[0]
-        if not isinstance(first, (int, float)):  # a Metric: it already aggregates all replicas
-            return first
-        return sum(values) / len(values)
-    stacked = [t.detach() for t in logged.stacked]
-    if tensors:
-        stacked.append(torch.stack(tensors))
-    rows = torch.cat([t.reshape(t.shape[0], *t.shape[1:]) for t in stacked])
-    return rows.float().mean(0) if not rows.is_floating_point() else rows.mean(0)
+    """Mean over replicas of tensors (stacked or per replica) and numbers; a Metric object passes through."""
+    others = [v for v in logged.per_replica if not isinstance(v, Tensor)]
+    if others and not isinstance(others[0], (int, float)):
+        return others[0]  # a torchmetrics Metric: it already aggregates every replica's updates
+    rows = [t.detach() for t in logged.stacked]
+    rows += [v.detach().unsqueeze(0) for v in logged.per_replica if isinstance(v, Tensor)]
+    rows += [torch.tensor([float(v)]) for v in others]
+    values = torch.cat([r.to(rows[0].device).float() for r in rows])
+    return values.mean(0)
