@@ -102,10 +102,10 @@ class ReplicaStack:
 
     def is_bound(self) -> bool:
         """Whether the module's parameters still live in the central buffers (``.to()`` breaks this)."""
+        # ``.to()``/``_apply`` replaces every parameter's data at once: one parameter per bucket tells.
         return all(
-            param.untyped_storage().data_ptr() == bucket.center.untyped_storage().data_ptr()
+            params[0].untyped_storage().data_ptr() == bucket.center.untyped_storage().data_ptr()
             for bucket, params in zip(self.buckets, self._module_params)
-            for param in params
         )
 
     def rebind_(self, module: nn.Module) -> None:
