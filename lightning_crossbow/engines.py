@@ -37,8 +37,11 @@ class NotFusableError(RuntimeError):
 
 @dataclass
 class ReplicaStepOutput:
-    """The ``k`` replicas' losses (attached to the graph) and the other entries of a dict output."""
+    """What one step of ``k`` replicas returns: ``total`` (the sum of their losses, attached to the graph:
+    its backward gives every replica its own gradient), each replica's loss (detached, shape ``(k,)``)
+    and the other entries of a dict output (mean over replicas)."""
 
+    total: Tensor
     losses: Tensor
     extras: dict[str, Any] = field(default_factory=dict)
     returned_dict: bool = False
@@ -80,6 +83,13 @@ class Engine(ABC):
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._call = _TrainingStep(module)
+        # functional_call re-ties shared tensors only when asked to; walking every alias costs a step's
+        # fraction on small models, so it is asked only for modules that really share a tensor.
+        self._tie_weights = _shares_tensors(module)
+
+    def _training_step(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Any, args: Sequence[Any]) -> Any:
+        """``module.training_step(batch, *args)`` run with ``params`` and ``buffers`` (prefixed names)."""
+        return functional_call(self._call, (params, buffers), (batch, args), tie_weights=self._tie_weights)
 
     @abstractmethod
     def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
@@ -97,14 +107,17 @@ class SequentialEngine(Engine):
         returned_dict = False
         for (params, buffers), batch in zip(stack.unbind(), batches, strict=True):
             with capture.recording(self.module) as calls:
-                output = functional_call(self._call, (_prefixed(params), _prefixed(buffers)), (batch, args))
+                output = self._training_step(_prefixed(params), _prefixed(buffers), batch, args)
             capture.add(calls)
             loss, extra, is_dict = _split_output(output)
             returned_dict |= is_dict
             # A replica whose training_step returns None skips the step: no loss, no gradient.
             losses.append(loss if loss is not None else torch.zeros((), device=_device_of(stack)))
             extras.append(extra)
-        return ReplicaStepOutput(torch.stack(losses), _mean_extras(extras), returned_dict)
+        # One replica: its loss is the total as it is (no stack and sum nodes in the backward graph).
+        total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        detached = torch.stack([loss.detach() for loss in losses])
+        return ReplicaStepOutput(total, detached, _mean_extras(extras), returned_dict)
 
 
 class FusedEngine(Engine):
@@ -130,7 +143,7 @@ class FusedEngine(Engine):
 
         def one_replica(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Any:
             with capture.recording(self.module) as calls:
-                output = functional_call(self._call, (params, buffers), (batch, args))
+                output = self._training_step(params, buffers, batch, args)
             recorded[:] = calls
             loss, extra, returned_dict[0] = _split_output(output)
             if loss is None:
@@ -143,7 +156,8 @@ class FusedEngine(Engine):
             _prefixed(stack.params), _prefixed(stack.buffers), batch
         )
         capture.add_stacked(recorded, logged)
-        return ReplicaStepOutput(losses, {k: v.detach().float().mean(0) for k, v in extras.items()}, returned_dict[0])
+        extras = {name: value.detach().float().mean(0) for name, value in extras.items()}
+        return ReplicaStepOutput(losses.sum(), losses.detach(), extras, returned_dict[0])
 
 
 class AutoEngine(Engine):
@@ -196,6 +210,12 @@ def make_engine(name: str, module: nn.Module, num_replicas: int) -> Engine:
     if name == "sequential" or num_replicas == 1:
         return SequentialEngine(module)
     return FusedEngine(module) if name == "fused" else AutoEngine(module)
+
+
+def _shares_tensors(module: nn.Module) -> bool:
+    """Whether one parameter or buffer is reachable under two names (tied weights)."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return len({id(t) for _, t in named}) < len(named)
 
 
 def _metrics_of(module: nn.Module) -> list[nn.Module]:

@@ -90,8 +90,11 @@ def _mean_over_replicas(logged: _Logged) -> Any:
     others = [v for v in logged.per_replica if not isinstance(v, Tensor)]
     if others and not isinstance(others[0], (int, float)):
         return others[0]  # a torchmetrics Metric: it already aggregates every replica's updates
+    tensors = [v for v in logged.per_replica if isinstance(v, Tensor)]
+    if len(tensors) == 1 and not others and not logged.stacked:
+        return tensors[0].detach()  # one replica: its value, exactly as plain Lightning would log it
     rows = [t.detach() for t in logged.stacked]
-    rows += [v.detach().unsqueeze(0) for v in logged.per_replica if isinstance(v, Tensor)]
+    rows += [v.detach().unsqueeze(0) for v in tensors]
     rows += [torch.tensor([float(v)]) for v in others]
     values = torch.cat([r.to(rows[0].device).float() for r in rows])
     return values.mean(0)

@@ -289,10 +289,9 @@ class CrossbowStrategy(DDPStrategy):
             output = self.engine.run(self.stack, batches, rest, self._log_capture)
         self._log_capture.replay(module)
         self._log_crossbow_metrics(module)
-        losses = output.losses.detach()
+        losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
-        loss = output.losses.sum()
-        return {"loss": loss, **output.extras} if output.returned_dict else loss
+        return {"loss": output.total, **output.extras} if output.returned_dict else output.total
 
     def _log_crossbow_metrics(self, module: "pl.LightningModule") -> None:
         """Logs k, samples/s (both on the progress bar) and the replicas' spread at logging steps."""
@@ -341,9 +340,10 @@ class CrossbowStrategy(DDPStrategy):
         losses, self._step_losses = self._step_losses, None
         if losses is None:
             return None
-        diverged = ~torch.isfinite(losses)
-        if not bool(diverged.any()):
+        finite = losses.isfinite()
+        if bool(finite.all()):
             return None
+        diverged = ~finite
         step = self.lightning_module.trainer.global_step
         for replica in diverged.nonzero().flatten().tolist():
             warnings.warn(

@@ -66,3 +66,32 @@ def test_alpha_one_over_k_without_momentum_makes_z_the_mean_of_pre_step_replicas
     for (name, param), before in zip(model.net.named_parameters(), initial):
         assert not torch.equal(param.detach(), before)
         torch.testing.assert_close(param.detach(), capture.replicas["net." + name].mean(0))
+
+
+def _tied_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+    second.weight = first.weight  # one tensor under two names: net.0.weight and net.2.weight
+    return torch.nn.Sequential(first, torch.nn.Tanh(), second, torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+class _TiedClassifier(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _tied_net()
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_tied_weights_stay_one_tensor_per_replica(engine: str) -> None:
+    """A parameter shared by two layers is one learner parameter: both layers read replica j's copy."""
+    dataset = make_data(num_samples=32)
+    model = _TiedClassifier()
+    strategy = CrossbowStrategy(replicas_per_device=2, engine=engine)
+    trainer(strategy=strategy, max_epochs=1).fit(model, loader(dataset))
+    assert model.net[0].weight is model.net[2].weight
+
+    z, _ = reference_sma(
+        _tied_net(), list(loader(dataset)), 2, 1, lambda params: make_optimizer("sgd", params, 0.1), alpha=0.5, mu=0.9
+    )
+    for (name, param), expected in zip(model.net.named_parameters(), z, strict=True):
+        torch.testing.assert_close(param.detach(), expected, msg=f"z differs in {name}")
