@@ -91,8 +91,10 @@ def _mean_over_replicas(logged: _Logged) -> Any:
     if others and not isinstance(others[0], (int, float)):
         return others[0]  # a torchmetrics Metric: it already aggregates every replica's updates
     tensors = [v for v in logged.per_replica if isinstance(v, Tensor)]
-    if len(tensors) == 1 and not others and not logged.stacked:
-        return tensors[0].detach()  # one replica: its value, exactly as plain Lightning would log it
+    if not others and len(tensors) + len(logged.stacked) == 1:  # one source: no concatenation needed
+        if tensors:
+            return tensors[0].detach()  # one replica: its value, exactly as plain Lightning would log it
+        return logged.stacked[0].detach().float().mean(0)
     rows = [t.detach() for t in logged.stacked]
     rows += [v.detach().unsqueeze(0) for v in tensors]
     rows += [torch.tensor([float(v)]) for v in others]

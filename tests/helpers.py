@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
@@ -93,6 +93,10 @@ class ReplicaSnapshot(L.Callback):
         self.params = {n: p.detach().clone() for n, p in trainer.strategy.stack.params.items()}
 
 
+#: Per process, the batches of one epoch; or a function of the epoch returning them.
+WorldBatches = Union[Sequence[Sequence[tuple[Tensor, Tensor]]], Callable[[int], Sequence[Sequence[tuple[Tensor, Tensor]]]]]
+
+
 def reference_sma(
     net: nn.Module,
     batches: Sequence[tuple[Tensor, Tensor]],
@@ -101,20 +105,28 @@ def reference_sma(
     make_opt: Callable[[Any], torch.optim.Optimizer],
     alpha: float,
     mu: float,
-    world_batches: Optional[Sequence[Sequence[tuple[Tensor, Tensor]]]] = None,
+    world_batches: Optional[WorldBatches] = None,
 ) -> tuple[list[Tensor], list[list[Tensor]]]:
     """Crossbow's SMA written out plainly: K separate models and optimizers, one loop per learner.
 
-    ``world_batches`` (one batch list per process) makes ``K = k x len(world_batches)`` learners; the
-    learners of process ``r`` are ``r*k .. r*k+k-1``. Returns z and every learner's weights.
+    ``world_batches`` (one batch list per process, or a function of the epoch giving them) makes
+    ``K = k x len(world_batches)`` learners; the learners of process ``r`` are ``r*k .. r*k+k-1``.
+    Returns z and every learner's weights.
     """
-    per_process = world_batches if world_batches is not None else [batches]
+
+    def batches_of(epoch: int) -> Sequence[Sequence[tuple[Tensor, Tensor]]]:
+        if world_batches is None:
+            return [batches]
+        return world_batches(epoch) if callable(world_batches) else world_batches
+
+    per_process = batches_of(0)
     learners = [copy.deepcopy(net) for _ in range(k * len(per_process))]
     optimizers = [make_opt(m.parameters()) for m in learners]
     z = [p.detach().clone() for p in net.parameters()]
     z_prev = [t.clone() for t in z]
     steps_per_epoch = len(per_process[0]) // k
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        per_process = batches_of(epoch)
         for step in range(steps_per_epoch):
             corrections = [[alpha * (w.detach() - zc) for w, zc in zip(m.parameters(), z)] for m in learners]
             for learner_index, (model, optimizer) in enumerate(zip(learners, optimizers)):

@@ -1,17 +1,20 @@
 """Runs crossbow on 2 CPU processes (gloo) and saves what every rank ends with; driven by test_multiprocess.py.
 
-usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT] [--save CKPT]
+usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
+       [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,6 +32,24 @@ class Sharded(L.LightningDataModule):
         rank = self.trainer.global_rank
         dataset = make_data(num_samples=96)
         return DataLoader(Subset(dataset, range(rank, len(dataset), WORLD_SIZE)), batch_size=8)
+
+
+class Unsharded(L.LightningDataModule):
+    """The whole dataset on every rank: Lightning's DistributedSampler shards (and shuffles) it, as with DDP."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(num_samples=96), batch_size=8)
+
+
+class KillAtStep(L.Callback):
+    """SIGKILLs this process once ``global_step`` reaches ``step``: a crash, with no clean-up at all."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class SaveFinalState(L.Callback):
@@ -57,7 +78,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--resume")
     parser.add_argument("--save")
+    parser.add_argument("--distributed-sampler", action="store_true")
+    parser.add_argument("--checkpoint-dir", help="save a checkpoint at every epoch end there")
+    parser.add_argument("--kill-at-step", type=int)
     args = parser.parse_args()
+    callbacks: list[L.Callback] = [SaveFinalState(args.out)]
+    if args.checkpoint_dir:
+        callbacks.append(ModelCheckpoint(args.checkpoint_dir, save_top_k=-1, save_on_train_epoch_end=True))
+    if args.kill_at_step is not None:
+        callbacks.append(KillAtStep(args.kill_at_step))
     k = args.k + (int(os.environ.get("LOCAL_RANK", 0)) if args.mismatch else 0)
     strategy = CrossbowStrategy(replicas_per_device=k, start_method=args.launcher)
     trainer = L.Trainer(
@@ -65,14 +94,15 @@ def main() -> None:
         devices=WORLD_SIZE,
         strategy=strategy,
         max_epochs=args.epochs,
-        use_distributed_sampler=False,
+        use_distributed_sampler=args.distributed_sampler,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.checkpoint_dir),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[SaveFinalState(args.out)],
+        callbacks=callbacks,
     )
-    trainer.fit(Classifier(), datamodule=Sharded(), ckpt_path=args.resume)
+    datamodule = Unsharded() if args.distributed_sampler else Sharded()
+    trainer.fit(Classifier(), datamodule=datamodule, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from tests.helpers import make_data, make_net, make_optimizer, reference_sma
 
@@ -29,10 +29,26 @@ def _per_rank_batches() -> list[list]:
     return [list(DataLoader(Subset(dataset, range(r, 96, 2)), batch_size=8)) for r in range(2)]
 
 
-@pytest.mark.parametrize("launcher", ["popen", "spawn"])
-def test_two_processes_match_the_reference_over_all_learners(tmp_path: Path, launcher: str) -> None:
+def _distributed_sampler_batches(epoch: int) -> list[list]:
+    """What Lightning's DistributedSampler (shuffled, seed 0, reseeded every epoch) gives each of 2 ranks."""
+    dataset = make_data(num_samples=96)
+    per_rank = []
+    for rank in range(2):
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(DataLoader(dataset, batch_size=8, sampler=sampler)))
+    return per_rank
+
+
+@pytest.mark.parametrize(
+    ("launcher", "sampler"),
+    [("popen", "user's per-rank loader"), ("spawn", "user's per-rank loader"), ("popen", "Lightning's DistributedSampler")],
+)
+def test_two_processes_match_the_reference_over_all_learners(tmp_path: Path, launcher: str, sampler: str) -> None:
     k, epochs = 2, 2
-    result = _run(tmp_path, launcher, str(k), "--epochs", str(epochs))
+    lightning_sampler = sampler.startswith("Lightning")
+    flags = ["--distributed-sampler"] if lightning_sampler else []
+    result = _run(tmp_path, launcher, str(k), "--epochs", str(epochs), *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["world_size"] == 2 and ranks[0]["global_step"] == epochs * 3
@@ -46,7 +62,7 @@ def test_two_processes_match_the_reference_over_all_learners(tmp_path: Path, lau
         lambda p: make_optimizer("sgd", p, 0.1),
         alpha=1.0 / (k * 2),
         mu=0.9,
-        world_batches=_per_rank_batches(),
+        world_batches=_distributed_sampler_batches if lightning_sampler else _per_rank_batches(),
     )
     for actual, expected in zip(ranks[0]["z"], z):
         torch.testing.assert_close(actual, expected)
@@ -69,6 +85,29 @@ def test_resume_on_two_processes_is_exact(tmp_path: Path) -> None:
     for rank in range(2):
         a, b = torch.load(straight / f"rank{rank}.pt"), torch.load(half / f"rank{rank}.pt")
         for x, y in zip(a["z"], b["z"]):
+            assert torch.equal(x, y)
+        for name in a["replicas"]:
+            assert torch.equal(a["replicas"][name], b["replicas"][name])
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint_exactly(tmp_path: Path) -> None:
+    """Both processes are SIGKILLed mid-epoch; resuming from the last epoch-end checkpoint loses nothing."""
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    assert _run(straight, "popen", "2", "--epochs", "4").returncode == 0
+    crashed, checkpoints = tmp_path / "crashed", tmp_path / "checkpoints"
+    crashed.mkdir()
+    result = _run(crashed, "popen", "2", "--epochs", "4", "--checkpoint-dir", str(checkpoints), "--kill-at-step", "7")
+    assert result.returncode == -9, result.stderr[-3000:]  # killed: 3 steps per epoch, so during the third epoch
+    assert not list(crashed.glob("rank*.pt"))  # it never reached the end of training
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+
+    result = _run(crashed, "popen", "2", "--epochs", "4", "--resume", str(checkpoints / "epoch=1-step=6.ckpt"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        a, b = torch.load(straight / f"rank{rank}.pt"), torch.load(crashed / f"rank{rank}.pt")
+        assert a["global_step"] == b["global_step"] == 12
+        for x, y in zip(a["z"], b["z"], strict=True):
             assert torch.equal(x, y)
         for name in a["replicas"]:
             assert torch.equal(a["replicas"][name], b["replicas"][name])
