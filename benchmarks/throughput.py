@@ -1,8 +1,9 @@
 """Hardware efficiency inside Lightning: samples/s of crossbow against plain Lightning, one process.
 
 Every configuration trains the MNIST-1D CNN (examples/models.py) on MNIST-1D-shaped data in the
-same process; configurations are interleaved and repeated, and the median is reported, so ratios
-are measured side by side on this (shared, noisy) machine.
+same process; configurations are interleaved and repeated, so ratios are measured side by side on
+this (shared, noisy) machine: each ratio is the median over repetitions of the ratio within one
+repetition (the two runs of a pair are seconds apart), next to the ratio of the medians.
 
     python benchmarks/throughput.py            # the core issue's comparisons, 5 repetitions
     python benchmarks/throughput.py --quick    # 3 repetitions, fewer steps
@@ -86,9 +87,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--repeats", type=int, help="repetitions (default 5, or 3 with --quick)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / "throughput.json")
     args = parser.parse_args()
     repeats, steps, warmup = (3, 40, 10) if args.quick else (5, 80, 10)
+    repeats = args.repeats or repeats
     configs = configurations(args.batch_size, args.replicas)
     measured: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(repeats):  # interleaved: every repetition runs every configuration once
@@ -96,19 +99,26 @@ def main() -> None:
             measured[name].append(samples_per_second(strategy(), k, batch, steps, warmup))
     median = {name: statistics.median(values) for name, values in measured.items()}
     k, b = args.replicas, args.batch_size
+    pairs = {
+        f"fused / sequential (k={k}, target >= 2)": (f"crossbow k={k} fused b={b}", f"crossbow k={k} sequential b={b}"),
+        f"fused k={k} / plain b={k * b} (target >= 0.8)": (f"crossbow k={k} fused b={b}", f"plain b={k * b}"),
+        f"crossbow k=1 / plain b={b} (target >= 0.85)": (f"crossbow k=1 b={b}", f"plain b={b}"),
+    }
     ratios = {
-        f"fused / sequential (k={k}, target >= 2)": median[f"crossbow k={k} fused b={b}"] / median[f"crossbow k={k} sequential b={b}"],
-        f"fused k={k} / plain b={k * b} (target >= 0.8)": median[f"crossbow k={k} fused b={b}"] / median[f"plain b={k * b}"],
-        f"crossbow k=1 / plain b={b} (target >= 0.85)": median[f"crossbow k=1 b={b}"] / median[f"plain b={b}"],
+        name: {
+            "paired": statistics.median(x / y for x, y in zip(measured[a], measured[b], strict=True)),
+            "of_medians": median[a] / median[b],
+        }
+        for name, (a, b) in pairs.items()
     }
     print(f"\nsamples/s, median of {repeats} interleaved runs ({steps} timed steps each), torch {torch.__version__},"
           f" lightning {L.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     for name, value in median.items():
         spread = f"{min(measured[name]):.0f}-{max(measured[name]):.0f}"
         print(f"  {name:<34} {value:>9.0f}   (range {spread})")
-    print("ratios:")
+    print(f"ratios: {'paired':>45} {'of medians':>11}")
     for name, value in ratios.items():
-        print(f"  {name:<48} {value:.2f}")
+        print(f"  {name:<48} {value['paired']:.2f} {value['of_medians']:>11.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"samples_per_sec": measured, "median": median, "ratios": ratios}, indent=2))
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import ReplicaStack
@@ -134,10 +134,10 @@ class FusedEngine(Engine):
         self._sequential = SequentialEngine(module)
 
     def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
-        if not _stackable(batches):
+        stacked = _stack_batches(batches)
+        if stacked is None:
             return self._sequential.run(stack, batches, args, capture)
-        batch = tree_map(lambda *xs: torch.stack(xs) if isinstance(xs[0], Tensor) else xs[0], batches[0], *batches[1:])
-        batch_dims = tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batches[0])
+        batch, batch_dims = stacked
         recorded: list[Any] = []
         returned_dict = [False]
 
@@ -241,21 +241,34 @@ def _check_no_escaped_metric_state(saved_metrics: Mapping[nn.Module, dict[str, A
                     )
 
 
-def _stackable(batches: Sequence[Any]) -> bool:
-    leaves0, spec0 = tree_flatten(batches[0])
+def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
+    """One batch whose tensors are the ``k`` batches' tensors stacked on a new dim 0, and vmap's ``in_dims``.
+
+    ``None`` when the batches differ in structure, in a tensor's shape, dtype or device, or in a
+    non-tensor value: such a group cannot be stacked.
+    """
+    leaves, spec = tree_flatten(batches[0])
+    columns = [[leaf] for leaf in leaves]
     for other in batches[1:]:
-        leaves, spec = tree_flatten(other)
-        if spec != spec0:
-            return False
-        for a, b in zip(leaves0, leaves):
-            if isinstance(a, Tensor) != isinstance(b, Tensor):
-                return False
-            if isinstance(a, Tensor):
-                if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-                    return False
-            elif a is not b and a != b:
-                return False
-    return True
+        other_leaves, other_spec = tree_flatten(other)
+        if other_spec != spec:
+            return None
+        for column, leaf in zip(columns, other_leaves):
+            first = column[0]
+            if isinstance(first, Tensor):
+                if not (
+                    isinstance(leaf, Tensor)
+                    and leaf.shape == first.shape
+                    and leaf.dtype == first.dtype
+                    and leaf.device == first.device
+                ):
+                    return None
+            elif isinstance(leaf, Tensor) or (leaf is not first and leaf != first):
+                return None
+            column.append(leaf)
+    stacked = [torch.stack(column) if isinstance(column[0], Tensor) else column[0] for column in columns]
+    in_dims = [0 if isinstance(column[0], Tensor) else None for column in columns]
+    return tree_unflatten(stacked, spec), tree_unflatten(in_dims, spec)
 
 
 def _mean_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
