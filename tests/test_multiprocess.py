@@ -16,12 +16,15 @@ from tests.helpers import make_data, make_net, make_optimizer, reference_sma
 SCRIPT = Path(__file__).with_name("multiprocess_script.py")
 
 
-def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, launcher: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs the script on 2 processes: Lightning launches them (popen, spawn), or torchrun does."""
     launcher_variables = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
     env = {key: value for key, value in os.environ.items() if key not in launcher_variables}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True, timeout=300, env=env
-    )
+    command = [sys.executable, str(SCRIPT), str(tmp_path), launcher, *args]
+    if launcher == "torchrun":  # Lightning finds TorchElasticEnvironment and launches nothing itself
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        command[command.index(launcher)] = "popen"
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
 def _per_rank_batches() -> list[list]:
@@ -42,7 +45,12 @@ def _distributed_sampler_batches(epoch: int) -> list[list]:
 
 @pytest.mark.parametrize(
     ("launcher", "sampler"),
-    [("popen", "user's per-rank loader"), ("spawn", "user's per-rank loader"), ("popen", "Lightning's DistributedSampler")],
+    [
+        ("popen", "user's per-rank loader"),
+        ("spawn", "user's per-rank loader"),
+        ("torchrun", "user's per-rank loader"),
+        ("popen", "Lightning's DistributedSampler"),
+    ],
 )
 def test_two_processes_match_the_reference_over_all_learners(tmp_path: Path, launcher: str, sampler: str) -> None:
     k, epochs = 2, 2
