@@ -25,14 +25,26 @@ class ReplicaBatchLoader:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
         self.loader = loader
         self.num_replicas = num_replicas
+        self.groups_yielded = 0  # in the current pass
+        self.batches_taken = 0
 
     def __iter__(self) -> Iterator[list[Any]]:
+        """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass."""
+        self.groups_yielded = self.batches_taken = 0
         batches = iter(self.loader)
         while True:
             group = list(islice(batches, self.num_replicas))
+            self.batches_taken += len(group)
             if len(group) < self.num_replicas:
                 return
+            self.groups_yielded += 1
             yield group
+
+    def groups_in_pass(self) -> int:
+        """Groups of the current pass: those already made, and those the rest of the loader fills at k now."""
+        if not isinstance(self.loader, Sized):
+            raise TypeError("The wrapped loader has no length.")
+        return self.groups_yielded + (len(self.loader) - self.batches_taken) // self.num_replicas
 
     def __len__(self) -> int:
         if not isinstance(self.loader, Sized):
@@ -44,6 +56,6 @@ class ReplicaBatchLoader:
         return len(self.loader) % self.num_replicas if isinstance(self.loader, Sized) else 0
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "num_replicas"):  # not set yet (e.g. while unpickling)
+        if name in ("loader", "num_replicas", "groups_yielded", "batches_taken"):  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
         return getattr(self.loader, name)

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop, Rprop
 
+from lightning_crossbow.replicas import resize_rows
+
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
     SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop, ASGD,
 )
@@ -61,6 +63,33 @@ def repoint_to_stack(optimizer: Optimizer, stacked: Mapping[int, Tensor], num_re
 
 def _repeat(value: Tensor, num_replicas: int) -> Tensor:
     return value.unsqueeze(0).repeat(num_replicas, *([1] * value.dim()))
+
+
+@torch.no_grad()
+def resize_stacked_state_(optimizer: Optimizer, new_params: Mapping[int, Tensor], num_replicas: int) -> None:
+    """Re-points ``optimizer`` from stacked params to ``new_params[id(old)]`` with ``num_replicas`` rows.
+
+    Per-replica state (tensors shaped like the old stacked parameter) keeps its first rows; each
+    new row is the mean of the old rows, the state of an average replica, consistent with a new
+    replica that starts as z (close to the replicas' mean). Other state (Adam's ``step``...) is kept.
+    """
+    for group in optimizer.param_groups:
+        resized = []
+        for old in group["params"]:
+            new = new_params.get(id(old))
+            if new is None:
+                resized.append(old)
+                continue
+            state = optimizer.state.pop(old, None)
+            if state:
+                optimizer.state[new] = {
+                    key: resize_rows(value, num_replicas)
+                    if isinstance(value, Tensor) and value.dim() > 0 and value.shape == old.shape
+                    else value
+                    for key, value in state.items()
+                }
+            resized.append(new)
+        group["params"] = resized
 
 
 @torch.no_grad()

@@ -22,6 +22,19 @@ from torch import Tensor, nn
 BufferReducer = Callable[[Tensor], Tensor]
 
 
+def resize_rows(stacked: Tensor, num_rows: int, fill: Optional[Tensor] = None) -> Tensor:
+    """``stacked`` (rows = replicas) with ``num_rows`` rows: the first ones kept, the new ones ``fill``.
+
+    ``fill`` defaults to the mean of the existing rows (floating point) or row 0 (other dtypes).
+    """
+    if fill is None:
+        fill = stacked.mean(0) if stacked.is_floating_point() else stacked[0]
+    resized = fill.unsqueeze(0).repeat(num_rows, *([1] * fill.dim()))
+    kept = min(stacked.shape[0], num_rows)
+    resized[:kept] = stacked[:kept]
+    return resized
+
+
 @dataclass
 class FlatBucket:
     """Parameters of one dtype and device, flattened: ``center`` is z, row j of ``replicas`` is w_j."""
@@ -169,6 +182,23 @@ class ReplicaStack:
                 target.copy_(all_reduce_mean(mean) if all_reduce_mean is not None else mean)
             else:
                 target.copy_(stack[0])
+
+    @torch.no_grad()
+    def resize_(self, num_replicas: int) -> None:
+        """Keeps replicas ``0 .. min(k, k_new) - 1``; each new replica is a copy of z.
+
+        New replicas' buffers are the mean of the existing replicas' (floating point; integer
+        buffers copy replica 0's). z, z_prev and the module's binding to z are untouched; the
+        per-parameter leaves in :attr:`params` are new tensors (re-point the optimizer at them).
+        """
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+        for bucket in self.buckets:
+            bucket.replicas = resize_rows(bucket.replicas, num_replicas, fill=bucket.center)
+            bucket.corrections = torch.empty_like(bucket.replicas)
+        self.buffers = {name: resize_rows(stack, num_replicas) for name, stack in self.buffers.items()}
+        self.num_replicas = num_replicas
+        self._make_param_views()
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:

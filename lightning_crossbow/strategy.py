@@ -41,13 +41,14 @@ from typing_extensions import override
 from lightning_crossbow import sma
 from lightning_crossbow.accelerator import CrossbowAccelerator
 from lightning_crossbow.data import ReplicaBatchLoader
-from lightning_crossbow.engines import ENGINES, Engine, make_engine
+from lightning_crossbow.engines import ENGINES, AutoEngine, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
     check_elementwise,
     clip_grad_norm_per_replica_,
     repoint_to_stack,
     reset_state_rows_,
+    resize_stacked_state_,
 )
 from lightning_crossbow.replicas import ReplicaStack
 
@@ -143,12 +144,21 @@ class CrossbowStrategy(DDPStrategy):
         self._step_started: Optional[float] = None
         self.samples_per_second: Optional[float] = None
         self._batch_size: Optional[int] = None
+        self._grouped: Optional[ReplicaBatchLoader] = None
+        #: Resume with the checkpoint's k instead of re-seeding (set when k is tuned, not fixed).
+        self.restore_replicas_per_device = False
+        self._epoch_length_follows_k = False
 
     # ------------------------------------------------------------------------------ properties
     @property
     def num_learners(self) -> int:
         """``K = k x world_size``, the learners over all processes."""
         return self.replicas_per_device * self.world_size
+
+    @property
+    def samples_per_step(self) -> Optional[int]:
+        """Samples one step trains on this process, ``k x`` the per-replica batch size (None if unknown)."""
+        return self.replicas_per_device * self._batch_size if self._batch_size else None
 
     @property
     def alpha(self) -> float:
@@ -252,6 +262,7 @@ class CrossbowStrategy(DDPStrategy):
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         grouped = ReplicaBatchLoader(dataloader, self.replicas_per_device)
+        self._grouped = grouped
         self._batch_size = getattr(dataloader, "batch_size", None)
         dropped = grouped.dropped_batches()
         if dropped:
@@ -266,6 +277,12 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
+        if batch_idx == 0 and self._epoch_length_follows_k:  # Lightning counted this epoch's steps at the old k
+            self._fit_epoch_length(self.lightning_module.trainer)
+        assert self.stack is not None
+        if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
+            # The first group made after set_replicas_per_device: resize before the step's corrections.
+            self._resize_replicas(len(batch))
         optimizer = self.optimizers[0]
         lrs = [float(group["lr"]) for group in optimizer.param_groups]
         if self._last_lrs is not None and self.reset_on_lr_drop and any(
@@ -280,7 +297,7 @@ class CrossbowStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.stack is not None and self.engine is not None
         batches, rest = args[0], args[1:]
-        if not isinstance(batches, list) or len(batches) != self.replicas_per_device:
+        if not isinstance(batches, list) or len(batches) != self.stack.num_replicas:
             raise RuntimeError("crossbow expected a group of replicas_per_device batches from its training loader.")
         module = self.lightning_module
         if not self.stack.is_bound():
@@ -292,6 +309,64 @@ class CrossbowStrategy(DDPStrategy):
         losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
         return {"loss": output.total, **output.extras} if output.returned_dict else output.total
+
+    # ------------------------------------------------------------------------- changing k
+    def set_replicas_per_device(self, replicas_per_device: int) -> None:
+        """Changes k during training, without restarting fit.
+
+        The training loader makes its next groups with the new k (a group Lightning has already
+        prefetched keeps the old one: only loaders without a length are prefetched), and the replicas
+        follow when the first such group arrives:
+        kept replicas go on, new ones start as copies of z with the mean of the replicas' optimizer
+        state, ``alpha=None`` follows 1/K, and the epoch's length follows the new grouping. Every
+        process must make the same call at the same step (:class:`ReplicaAutoTuner` does).
+        """
+        _check_positive_int("replicas_per_device", replicas_per_device)
+        if replicas_per_device == (self._grouped.num_replicas if self._grouped else self.replicas_per_device):
+            return
+        trainer = self._lightning_module._trainer if self._lightning_module is not None else None
+        if trainer is not None and trainer.accumulate_grad_batches > 1:
+            raise RuntimeError(
+                "crossbow cannot change replicas_per_device with accumulate_grad_batches > 1: the gradients"
+                " accumulated for the current replicas would not fit the new ones."
+            )
+        if self.stack is None:  # not training: the next fit starts with it
+            self.replicas_per_device = replicas_per_device
+            return
+        assert self._grouped is not None and trainer is not None
+        self._grouped.num_replicas = replicas_per_device
+        self._epoch_length_follows_k = True
+        self._fit_epoch_length(trainer)
+
+    def _fit_epoch_length(self, trainer: "pl.Trainer") -> None:
+        """Sets Lightning's count of this epoch's steps (and end-of-epoch validation) to the groups at k now."""
+        fit_loop = trainer.fit_loop
+        if self._grouped is None or trainer.limit_train_batches != 1.0 or not math.isfinite(fit_loop.max_batches):
+            return
+        epoch_length = self._grouped.groups_in_pass()
+        if trainer.val_check_batch == fit_loop.max_batches:  # validation at the epoch's end
+            trainer.val_check_batch = epoch_length
+        fit_loop.max_batches = epoch_length
+        # Lightning's fetcher marks the last batch from the length it read when the epoch began.
+        fetcher = getattr(fit_loop, "_data_fetcher", None)
+        if fetcher is not None and getattr(fetcher, "length", None) is not None:
+            fetcher.length = epoch_length
+
+    def _resize_replicas(self, replicas_per_device: int) -> None:
+        assert self.stack is not None and self.engine is not None
+        old_leaves = dict(self.stack.params)
+        self.stack.resize_(replicas_per_device)
+        resize_stacked_state_(
+            self.optimizers[0],
+            {id(old_leaves[name]): new for name, new in self.stack.params.items()},
+            replicas_per_device,
+        )
+        # An auto engine that already fell back to sequential stays sequential.
+        fell_back = isinstance(self.engine, AutoEngine) and self.engine.active is self.engine.sequential
+        self.engine = make_engine("sequential" if fell_back else self.engine_name, self.lightning_module, replicas_per_device)
+        self.replicas_per_device = replicas_per_device
+        self._step_losses = None
+        rank_zero_info(f"crossbow: replicas_per_device is now {replicas_per_device} (K = {self.num_learners}).")
 
     def _log_crossbow_metrics(self, module: "pl.LightningModule") -> None:
         """Logs k, samples/s (both on the progress bar) and the replicas' spread at logging steps."""
@@ -434,6 +509,13 @@ class CrossbowStrategy(DDPStrategy):
         state = checkpoint.get(_CHECKPOINT_KEY)
         optimizer = self.optimizers[0]
         saved_optimizer = checkpoint["optimizer_states"][0]
+        if (
+            state is not None
+            and self.restore_replicas_per_device
+            and state["world_size"] == self.world_size
+            and state["replicas_per_device"] != self.replicas_per_device
+        ):
+            self._resize_replicas(state["replicas_per_device"])  # a tuned k carries on
         same_layout = (
             state is not None
             and state["replicas_per_device"] == self.replicas_per_device

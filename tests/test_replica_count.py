@@ -1,0 +1,114 @@
+"""Changing k during fit: the stacks grow or shrink and SMA stays exact against an independent reference."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_crossbow import CrossbowStrategy
+from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, make_net, trainer
+
+
+class ChangeReplicas(L.Callback):
+    """Asks for ``new_k`` once ``global_step`` reaches ``at_step``; records the group size of every step."""
+
+    def __init__(self, at_step: int, new_k: int) -> None:
+        self.at_step, self.new_k = at_step, new_k
+        self.group_sizes: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.group_sizes.append(len(batch))
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            trainer.strategy.set_replicas_per_device(self.new_k)
+
+
+def reference_with_changing_k(
+    net: nn.Module, batches: Sequence[tuple[Tensor, Tensor]], ks_per_epoch: Sequence[Sequence[int]], lr: float, mu: float
+) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """SMA with alpha = 1/k over a schedule of k per step; a new learner is a copy of z whose momentum
+    is the mean of the learners' momenta; a shrink drops the last learners."""
+    z = [p.detach().clone() for p in net.parameters()]
+    z_prev = [t.clone() for t in z]
+    learners: list[nn.Module] = []
+    optimizers: list[torch.optim.SGD] = []
+    for ks in ks_per_epoch:
+        position = 0
+        for k in ks:
+            if k > len(learners):
+                momenta = [
+                    [opt.state[p]["momentum_buffer"] for p in m.parameters()] for m, opt in zip(learners, optimizers)
+                ]
+                for _ in range(k - len(learners)):
+                    learner = copy.deepcopy(net)
+                    with torch.no_grad():
+                        for p, zc in zip(learner.parameters(), z):
+                            p.copy_(zc)
+                    optimizer = torch.optim.SGD(learner.parameters(), lr=lr, momentum=0.9)
+                    if momenta:
+                        for i, p in enumerate(learner.parameters()):
+                            optimizer.state[p]["momentum_buffer"] = torch.stack([m[i] for m in momenta]).mean(0)
+                    learners.append(learner)
+                    optimizers.append(optimizer)
+            del learners[k:], optimizers[k:]
+            alpha = 1.0 / k
+            corrections = [[alpha * (w.detach() - zc) for w, zc in zip(m.parameters(), z)] for m in learners]
+            for model, optimizer in zip(learners, optimizers):
+                x, y = batches[position]
+                position += 1
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            with torch.no_grad():
+                for model, c in zip(learners, corrections):
+                    for w, cw in zip(model.parameters(), c):
+                        w -= cw
+                new_z = [zc + sum(c[i] for c in corrections) + mu * (zc - zp) for i, (zc, zp) in enumerate(zip(z, z_prev))]
+                z_prev, z = z, new_z
+    return z, [[p.detach() for p in m.parameters()] for m in learners]
+
+
+@pytest.mark.parametrize(("old_k", "new_k"), [(2, 4), (4, 2), (2, 1)])
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_changing_k_mid_epoch_keeps_sma_exact(old_k: int, new_k: int, engine: str) -> None:
+    dataset = make_data(num_samples=96)  # 12 batches of 8 per epoch
+    model = Classifier()
+    change, snapshot = ChangeReplicas(at_step=1, new_k=new_k), ReplicaSnapshot()
+    strategy = CrossbowStrategy(replicas_per_device=old_k, engine=engine)
+    trainer(strategy=strategy, max_epochs=2, callbacks=[change, snapshot]).fit(model, loader(dataset))
+
+    # The loader has a length, so Lightning prefetches nothing: the step after the change has the new k.
+    first_epoch = [old_k] + [new_k] * ((12 - old_k) // new_k)
+    assert change.group_sizes == first_epoch + [new_k] * (12 // new_k)
+    assert model.trainer.global_step == len(change.group_sizes)
+    assert strategy.replicas_per_device == new_k and strategy.alpha == 1.0 / new_k
+
+    z, learners = reference_with_changing_k(
+        make_net(), list(loader(dataset)), [first_epoch, [new_k] * (12 // new_k)], lr=0.1, mu=0.9
+    )
+    for (name, param), expected in zip(model.net.named_parameters(), z, strict=True):
+        torch.testing.assert_close(param.detach(), expected, msg=f"z differs in {name}")
+    for index, (name, stacked) in enumerate(snapshot.params.items()):
+        assert stacked.shape[0] == new_k
+        for j in range(new_k):
+            torch.testing.assert_close(stacked[j], learners[j][index], msg=f"replica {j} differs in {name}")
+
+
+def test_changing_k_with_gradient_accumulation_is_refused() -> None:
+    change = ChangeReplicas(at_step=1, new_k=4)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), accumulate_grad_batches=2, callbacks=[change])
+    with pytest.raises(RuntimeError, match="cannot change replicas_per_device with accumulate_grad_batches > 1"):
+        fit.fit(Classifier(), loader(make_data(num_samples=96)))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])
+def test_set_replicas_per_device_rejects_bad_values(bad: Any) -> None:
+    with pytest.raises(ValueError, match="replicas_per_device must be a positive int"):
+        CrossbowStrategy(replicas_per_device=2).set_replicas_per_device(bad)
