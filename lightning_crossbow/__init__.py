@@ -9,8 +9,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_crossbow.accelerator import CrossbowAccelerator
 from lightning_crossbow.strategy import CrossbowStrategy
+from lightning_crossbow.tuner import ReplicaAutoTuner
 
-__all__ = ["CrossbowAccelerator", "CrossbowStrategy"]
+__all__ = ["CrossbowAccelerator", "CrossbowStrategy", "ReplicaAutoTuner"]
 __version__ = "0.1.0"
 
 if "crossbow" not in StrategyRegistry:

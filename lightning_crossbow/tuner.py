@@ -1,0 +1,166 @@
+"""ReplicaAutoTuner: chooses k, the replicas per device, while training runs (Crossbow's auto-tuning).
+
+Policy (objective ``"throughput"``, Crossbow's): measure samples/s over a window of steps, the
+first ``warmup`` steps after every change excluded; while adding one replica per device raised
+throughput by more than ``threshold``, add another; otherwise step back one and hold. Bounded by
+``min_replicas``/``max_replicas`` and by memory (one more replica must fit twice over in the
+device's free memory: RAM on CPU, the accelerator's free memory on CUDA).
+
+In multi-process runs rank 0 decides and broadcasts; every rank applies the same k at the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_crossbow.accelerator import device_memory
+
+OBJECTIVES = ("throughput",)
+
+
+@dataclass
+class TuningRecord:
+    """One measured window: from ``step`` on, ``replicas_per_device`` replicas gave ``samples_per_sec``."""
+
+    step: int
+    replicas_per_device: int
+    samples_per_sec: float
+
+
+class ReplicaAutoTuner(Callback):
+    """Tunes ``replicas_per_device`` of a :class:`~lightning_crossbow.CrossbowStrategy` during fit.
+
+    Args:
+        objective: ``"throughput"``: maximise samples/s (Crossbow's policy).
+        min_replicas, max_replicas: bounds on k.
+        window: steps per measurement.
+        warmup: steps after each change that are not measured.
+        threshold: the relative gain in samples/s that justifies one more replica.
+        clock: seconds as a float; tests inject one.
+    """
+
+    def __init__(
+        self,
+        objective: Literal["throughput"] = "throughput",
+        min_replicas: int = 1,
+        max_replicas: int = 16,
+        window: int = 20,
+        warmup: int = 3,
+        threshold: float = 0.1,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
+        for name, value, least in (("min_replicas", min_replicas, 1), ("window", window, 1), ("warmup", warmup, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
+        if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas < min_replicas:
+            raise ValueError(f"max_replicas must be an int >= min_replicas={min_replicas}, got {max_replicas!r}.")
+        if not (isinstance(threshold, (int, float)) and threshold >= 0):
+            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}.")
+        self.objective = objective
+        self.min_replicas, self.max_replicas = min_replicas, max_replicas
+        self.window, self.warmup, self.threshold = window, warmup, float(threshold)
+        self.clock = clock
+        self.history: list[TuningRecord] = []
+        #: The k the tuner settled on (None while it is still exploring).
+        self.chosen: Optional[int] = None
+        self._steps_since_change = 0
+        self._window_started: Optional[float] = None
+        self._window_samples = 0
+
+    # ------------------------------------------------------------------------------- hooks
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        from lightning_crossbow.strategy import CrossbowStrategy
+
+        if not isinstance(trainer.strategy, CrossbowStrategy):
+            raise TypeError(
+                f"ReplicaAutoTuner tunes CrossbowStrategy's replicas_per_device; the trainer's strategy is"
+                f" {type(trainer.strategy).__name__}. Use Trainer(strategy='crossbow')."
+            )
+        trainer.strategy.restore_replicas_per_device = True  # a resumed run carries on with the tuned k
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
+        if self.chosen is not None:
+            return
+        strategy = trainer.strategy
+        now = self.clock()
+        self._steps_since_change += 1
+        if self._steps_since_change == self.warmup + 1 or self._window_started is None:
+            self._window_started, self._window_samples = now, 0  # measuring starts after the warm-up
+            return
+        self._window_samples += strategy.samples_per_step or 0
+        if self._steps_since_change < self.warmup + 1 + self.window:
+            return
+        rate = self._window_samples / max(now - self._window_started, 1e-12)
+        k = strategy.replicas_per_device
+        self.history.append(TuningRecord(trainer.global_step, k, rate))
+        next_k = self._decide(k, strategy)
+        next_k = int(strategy.broadcast(next_k, src=0))  # rank 0 decides for every rank
+        if next_k != k:
+            strategy.set_replicas_per_device(next_k)
+        self._steps_since_change, self._window_started = 0, None
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.history:
+            rank_zero_info(self.summary())
+
+    # ------------------------------------------------------------------------------ policy
+    def _decide(self, k: int, strategy: Any) -> int:
+        """Crossbow's rule: one more replica while the last one paid off by more than ``threshold``."""
+        previous = self.history[-2] if len(self.history) >= 2 else None
+        if previous is not None and previous.replicas_per_device == k - 1:
+            gain = self.history[-1].samples_per_sec / previous.samples_per_sec - 1.0
+            if gain <= self.threshold:
+                self.chosen = max(k - 1, self.min_replicas)
+                return self.chosen
+        if k >= self.max_replicas or not self._one_more_fits(strategy):
+            self.chosen = k
+            return k
+        return k + 1
+
+    @staticmethod
+    def _one_more_fits(strategy: Any) -> bool:
+        """One more replica (weights, gradients, two optimizer states, corrections) fits twice in free memory."""
+        stack = strategy.stack
+        if stack is None:
+            return True
+        per_replica = sum(b.replicas[0].numel() * b.replicas.element_size() for b in stack.buckets) * 5
+        free = device_memory(strategy.root_device).get("memory_free_bytes")
+        return free is None or free > 2 * per_replica
+
+    # ----------------------------------------------------------------------------- report
+    def best(self) -> Optional[TuningRecord]:
+        """The measured window with the highest samples/s."""
+        return max(self.history, key=lambda record: record.samples_per_sec, default=None)
+
+    def summary(self) -> str:
+        """k over time and samples/s per k, as a table."""
+        lines = ["crossbow ReplicaAutoTuner", f"  {'from step':>9}  {'k':>3}  {'samples/s':>10}"]
+        lines += [f"  {r.step:>9}  {r.replicas_per_device:>3}  {r.samples_per_sec:>10.1f}" for r in self.history]
+        best = self.best()
+        if best is not None:
+            lines.append(f"  best measured: k={best.replicas_per_device} ({best.samples_per_sec:.1f} samples/s)")
+        lines.append(f"  chosen: k={self.chosen}" if self.chosen is not None else "  still exploring")
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------------------- checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [vars(record).copy() for record in self.history], "chosen": self.chosen}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [TuningRecord(**record) for record in state_dict["history"]]
+        self.chosen = state_dict["chosen"]

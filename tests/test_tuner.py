@@ -1,0 +1,96 @@
+"""ReplicaAutoTuner: with injected step times it settles where Crossbow's rule says; its k survives a resume."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning as L
+import pytest
+
+from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner
+from tests.helpers import Classifier, loader, make_data, trainer
+
+
+def step_seconds(k: int) -> float:
+    """A device whose step time grows faster than linearly in k: throughput k / (1 + 0.05 k^2) peaks at k=4."""
+    return 1.0 + 0.05 * k * k
+
+
+class FakeClock(L.Callback):
+    """A clock that advances by ``step_seconds(k)`` at the end of every step (k = that step's group size)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.now += step_seconds(len(batch))
+
+
+def expected_choice(threshold: float, start: int = 1) -> int:
+    """Crossbow's rule on the known step times: add replicas while one more gains more than the threshold."""
+    k = start
+    while (k + 1) / step_seconds(k + 1) / (k / step_seconds(k)) - 1.0 > threshold:
+        k += 1
+    return k
+
+
+def tuned_fit(tmp_path, max_steps: int, start_k: int = 1, ckpt_path=None) -> tuple[ReplicaAutoTuner, L.Trainer]:
+    clock = FakeClock()
+    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=start_k),
+        callbacks=[clock, tuner],
+        max_steps=max_steps,
+        max_epochs=-1,
+        default_root_dir=tmp_path,
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=400)), ckpt_path=ckpt_path)
+    return tuner, fit
+
+
+def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path) -> None:
+    tuner, fit = tuned_fit(tmp_path, max_steps=60)
+    expected = expected_choice(0.1)
+    assert expected == 3  # k=4 gains only 7% over k=3
+    assert tuner.chosen == expected
+    assert fit.strategy.replicas_per_device == expected
+    assert [r.replicas_per_device for r in tuner.history] == [1, 2, 3, 4]
+    for record in tuner.history:  # measured rates are the injected ones: samples per step / seconds per step
+        k = record.replicas_per_device
+        assert record.samples_per_sec == pytest.approx(k * 8 / step_seconds(k))
+    assert "chosen: k=3" in tuner.summary()
+
+
+def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
+    tuner, fit = tuned_fit(tmp_path, max_steps=60)
+    fit.save_checkpoint(tmp_path / "tuned.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed_tuner, resumed = tuned_fit(tmp_path, max_steps=70, start_k=1, ckpt_path=tmp_path / "tuned.ckpt")
+    assert not [w for w in caught if "re-seeded" in str(w.message)]  # the replicas were restored, not re-seeded
+    assert resumed.strategy.replicas_per_device == tuner.chosen == resumed_tuner.chosen
+    assert resumed.global_step == 70
+
+
+def test_the_tuner_needs_the_crossbow_strategy() -> None:
+    with pytest.raises(TypeError, match="ReplicaAutoTuner tunes CrossbowStrategy's replicas_per_device"):
+        trainer(callbacks=[ReplicaAutoTuner()]).fit(Classifier(), loader(make_data()))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"objective": "accuracy"}, "objective must be one of"),
+        ({"min_replicas": 0}, "min_replicas must be an int >= 1"),
+        ({"min_replicas": 4, "max_replicas": 2}, "max_replicas must be an int >= min_replicas=4"),
+        ({"window": 0}, "window must be an int >= 1"),
+        ({"threshold": -0.1}, "threshold must be a number >= 0"),
+    ],
+)
+def test_bad_tuner_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ReplicaAutoTuner(**kwargs)
