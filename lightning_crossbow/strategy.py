@@ -51,6 +51,7 @@ from lightning_crossbow.optim import (
     resize_stacked_state_,
 )
 from lightning_crossbow.replicas import ReplicaStack
+from lightning_crossbow.tuner import ReplicaAutoTuner
 
 #: An LR decrease between two consecutive steps counts as a "drop" (and resets the replicas to z
 #: when ``reset_on_lr_drop``) when the new LR is at most this fraction of the old: step and plateau
@@ -80,7 +81,9 @@ class CrossbowStrategy(DDPStrategy):
     model, is the LightningModule's own parameters: validation, checkpoints and callbacks see z.
 
     Args:
-        replicas_per_device: ``k``, the number of replicas (learners) per device, a positive int.
+        replicas_per_device: ``k``, the number of replicas (learners) per device, a positive int; or
+            ``"auto"``: start at 1 and let a :class:`~lightning_crossbow.ReplicaAutoTuner` (added to the
+            trainer's callbacks unless one is there) choose k from measured throughput.
         alpha: correction strength in (0, 1]; ``None`` means ``1/K``.
         central_momentum: ``mu`` in [0, 1), momentum of the central model (Crossbow: 0.9).
         engine: ``"auto"`` (fused, falling back to sequential when the training_step cannot run under
@@ -95,7 +98,7 @@ class CrossbowStrategy(DDPStrategy):
 
     def __init__(
         self,
-        replicas_per_device: int = 4,
+        replicas_per_device: Union[int, Literal["auto"]] = 4,
         alpha: Optional[float] = None,
         central_momentum: float = 0.9,
         engine: Literal["auto", "fused", "sequential"] = "auto",
@@ -110,7 +113,13 @@ class CrossbowStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        _check_positive_int("replicas_per_device", replicas_per_device)
+        self.auto_replicas = replicas_per_device == "auto"
+        if self.auto_replicas:
+            replicas_per_device = 1
+        elif isinstance(replicas_per_device, bool) or not isinstance(replicas_per_device, int) or replicas_per_device < 1:
+            raise ValueError(
+                f"replicas_per_device must be a positive int (1, 2, 3, ...) or 'auto', got {replicas_per_device!r}."
+            )
         if alpha is not None and not (_is_real(alpha) and 0.0 < alpha <= 1.0):
             raise ValueError(f"alpha must be a number in (0, 1] or None (meaning 1/K), got {alpha!r}.")
         if not (_is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
@@ -170,6 +179,8 @@ class CrossbowStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         trainer = self.lightning_module.trainer
+        if self.auto_replicas and not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
+            trainer.callbacks.append(ReplicaAutoTuner())
         if self.world_size == 1:
             # One process: keep the user's DataLoader and sampler exactly as they are (Lightning would
             # otherwise inject a shuffling DistributedSampler because this is a DDPStrategy).

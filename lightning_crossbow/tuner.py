@@ -80,7 +80,7 @@ class ReplicaAutoTuner(Callback):
     # ------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        from lightning_crossbow.strategy import CrossbowStrategy
+        from lightning_crossbow.strategy import CrossbowStrategy  # the strategy module imports this one
 
         if not isinstance(trainer.strategy, CrossbowStrategy):
             raise TypeError(

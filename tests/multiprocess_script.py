@@ -1,7 +1,7 @@
 """Runs crossbow on 2 CPU processes (gloo) and saves what every rank ends with; driven by test_multiprocess.py.
 
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
-       [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S]
+       [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_crossbow import CrossbowStrategy  # noqa: E402
+from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
 from tests.helpers import Classifier, make_data  # noqa: E402
 
 WORLD_SIZE = 2
@@ -55,6 +55,10 @@ class KillAtStep(L.Callback):
 class SaveFinalState(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.group_sizes: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
+        self.group_sizes.append(len(batch))  # type: ignore[arg-type]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
@@ -62,6 +66,8 @@ class SaveFinalState(L.Callback):
             {
                 "z": [p.detach().clone() for p in pl_module.parameters()],
                 "replicas": {n: p.detach().clone() for n, p in strategy.stack.params.items()},
+                "replicas_per_device": strategy.replicas_per_device,
+                "group_sizes": self.group_sizes,
                 "world_size": trainer.world_size,
                 "global_step": trainer.global_step,
             },
@@ -81,12 +87,15 @@ def main() -> None:
     parser.add_argument("--distributed-sampler", action="store_true")
     parser.add_argument("--checkpoint-dir", help="save a checkpoint at every epoch end there")
     parser.add_argument("--kill-at-step", type=int)
+    parser.add_argument("--tune", action="store_true", help="let ReplicaAutoTuner change k (real clocks)")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     if args.checkpoint_dir:
         callbacks.append(ModelCheckpoint(args.checkpoint_dir, save_top_k=-1, save_on_train_epoch_end=True))
     if args.kill_at_step is not None:
         callbacks.append(KillAtStep(args.kill_at_step))
+    if args.tune:  # threshold 0: it climbs to max_replicas unless a step gets slower; each rank's clock differs
+        callbacks.append(ReplicaAutoTuner(window=1, warmup=0, threshold=0.0, max_replicas=3))
     k = args.k + (int(os.environ.get("LOCAL_RANK", 0)) if args.mismatch else 0)
     strategy = CrossbowStrategy(replicas_per_device=k, start_method=args.launcher)
     trainer = L.Trainer(

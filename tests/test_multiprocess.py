@@ -121,6 +121,18 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_exactly(tmp_path: Path) -
             assert torch.equal(a["replicas"][name], b["replicas"][name])
 
 
+def test_a_tuned_k_is_the_same_on_every_rank_at_every_step(tmp_path: Path) -> None:
+    """Each rank measures its own throughput; rank 0's decision is applied by both at the same step."""
+    result = _run(tmp_path, "popen", "1", "--epochs", "3", "--tune")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["group_sizes"] == ranks[1]["group_sizes"]
+    assert len(set(ranks[0]["group_sizes"])) > 1, "the tuner never changed k"
+    assert ranks[0]["replicas_per_device"] == ranks[1]["replicas_per_device"]
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)  # bitwise identical central model after the changes
+
+
 def test_ranks_with_different_configurations_fail_with_a_clear_error(tmp_path: Path) -> None:
     result = _run(tmp_path, "popen", "2", "--mismatch")
     assert result.returncode != 0

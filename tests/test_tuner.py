@@ -94,3 +94,11 @@ def test_the_tuner_needs_the_crossbow_strategy() -> None:
 def test_bad_tuner_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ReplicaAutoTuner(**kwargs)
+
+
+def test_auto_replicas_adds_a_tuner_and_starts_from_one_replica() -> None:
+    strategy = CrossbowStrategy(replicas_per_device="auto")
+    assert strategy.replicas_per_device == 1
+    fit = trainer(strategy=strategy, max_steps=3)
+    fit.fit(Classifier(), loader(make_data(num_samples=80)))
+    assert sum(isinstance(c, ReplicaAutoTuner) for c in fit.callbacks) == 1
