@@ -9,7 +9,7 @@ within a tensor (LBFGS, LARS, LAMB, Shampoo, Adafactor, ...) would mix replicas 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -43,26 +43,7 @@ def repoint_to_stack(optimizer: Optimizer, stacked: Mapping[int, Tensor], num_re
     State the optimizer already holds for ``p`` (Adagrad creates it eagerly) is copied to every
     replica: tensors shaped like ``p`` become ``(k, *p.shape)``, anything else is kept as it is.
     """
-    for group in optimizer.param_groups:
-        new_params = []
-        for param in group["params"]:
-            stack = stacked.get(id(param))
-            if stack is None:
-                new_params.append(param)
-                continue
-            old_state = optimizer.state.pop(param, None)
-            if old_state:
-                optimizer.state[stack] = {
-                    key: _repeat(value, num_replicas) if isinstance(value, Tensor) and value.shape == param.shape
-                    and value.dim() > 0 else value
-                    for key, value in old_state.items()
-                }
-            new_params.append(stack)
-        group["params"] = new_params
-
-
-def _repeat(value: Tensor, num_replicas: int) -> Tensor:
-    return value.unsqueeze(0).repeat(num_replicas, *([1] * value.dim()))
+    _replace_params(optimizer, stacked, lambda value: value.unsqueeze(0).repeat(num_replicas, *([1] * value.dim())))
 
 
 @torch.no_grad()
@@ -73,23 +54,31 @@ def resize_stacked_state_(optimizer: Optimizer, new_params: Mapping[int, Tensor]
     new row is the mean of the old rows, the state of an average replica, consistent with a new
     replica that starts as z (close to the replicas' mean). Other state (Adam's ``step``...) is kept.
     """
+    _replace_params(optimizer, new_params, lambda value: resize_rows(value, num_replicas))
+
+
+def _replace_params(
+    optimizer: Optimizer, replacements: Mapping[int, Tensor], convert: Callable[[Tensor], Tensor]
+) -> None:
+    """Puts ``replacements[id(p)]`` in place of each ``p`` in the param groups, moving ``p``'s state to it;
+    state tensors shaped like ``p`` go through ``convert``, other state is kept as it is."""
     for group in optimizer.param_groups:
-        resized = []
+        params = []
         for old in group["params"]:
-            new = new_params.get(id(old))
+            new = replacements.get(id(old))
             if new is None:
-                resized.append(old)
+                params.append(old)
                 continue
             state = optimizer.state.pop(old, None)
             if state:
                 optimizer.state[new] = {
-                    key: resize_rows(value, num_replicas)
+                    key: convert(value)
                     if isinstance(value, Tensor) and value.dim() > 0 and value.shape == old.shape
                     else value
                     for key, value in state.items()
                 }
-            resized.append(new)
-        group["params"] = resized
+            params.append(new)
+        group["params"] = params
 
 
 @torch.no_grad()
