@@ -27,18 +27,26 @@ class ReplicaBatchLoader:
         self.num_replicas = num_replicas
         self.groups_yielded = 0  # in the current pass
         self.batches_taken = 0
+        self._returned: list[Any] = []
 
     def __iter__(self) -> Iterator[list[Any]]:
         """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass."""
         self.groups_yielded = self.batches_taken = 0
+        self._returned = []
         batches = iter(self.loader)
         while True:
-            group = list(islice(batches, self.num_replicas))
+            group, self._returned = self._returned[: self.num_replicas], self._returned[self.num_replicas :]
+            group += list(islice(batches, self.num_replicas - len(group)))
             self.batches_taken += len(group)
             if len(group) < self.num_replicas:
                 return
             self.groups_yielded += 1
             yield group
+
+    def give_back(self, batches: list[Any]) -> None:
+        """Returns batches of a group that could not run: the next group starts with them, in order."""
+        self._returned = list(batches) + self._returned
+        self.batches_taken -= len(batches)
 
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those already made, and those the rest of the loader fills at k now."""
@@ -56,6 +64,6 @@ class ReplicaBatchLoader:
         return len(self.loader) % self.num_replicas if isinstance(self.loader, Sized) else 0
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "num_replicas", "groups_yielded", "batches_taken"):  # not set yet (e.g. while unpickling)
+        if name in ("loader", "num_replicas", "groups_yielded", "batches_taken", "_returned"):  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
         return getattr(self.loader, name)

@@ -157,6 +157,8 @@ class CrossbowStrategy(DDPStrategy):
         #: Resume with the checkpoint's k instead of re-seeding (set when k is tuned, not fixed).
         self.restore_replicas_per_device = False
         self._epoch_length_follows_k = False
+        #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
+        self.replica_ceiling: Optional[int] = None
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -313,8 +315,13 @@ class CrossbowStrategy(DDPStrategy):
         module = self.lightning_module
         if not self.stack.is_bound():
             self.stack.rebind_(module)
-        with self.precision_plugin.train_step_context():
-            output = self.engine.run(self.stack, batches, rest, self._log_capture)
+        while True:
+            try:
+                with self.precision_plugin.train_step_context():
+                    output = self.engine.run(self.stack, batches, rest, self._log_capture)
+                break
+            except torch.cuda.OutOfMemoryError as error:
+                batches = self._back_off(batches, error)
         self._log_capture.replay(module)
         self._log_crossbow_metrics(module)
         losses = output.losses
@@ -363,6 +370,29 @@ class CrossbowStrategy(DDPStrategy):
         if fetcher is not None and getattr(fetcher, "length", None) is not None:
             fetcher.length = epoch_length
 
+    def _back_off(self, batches: list[Any], error: BaseException) -> list[Any]:
+        """After an out-of-memory error in the replicas' step: one replica fewer from now on.
+
+        The step runs again on the group's first k-1 batches; the last batch goes back to the loader
+        and opens the next group, so no batch is lost. ``replica_ceiling`` keeps the tuner below k.
+        One process only: the ranks of a multi-process run must keep the same k.
+        """
+        if len(batches) == 1 or self._grouped is None or self.world_size > 1:
+            raise error
+        self._log_capture.clear()
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+        k = len(batches) - 1
+        self._grouped.give_back(batches[k:])
+        self.set_replicas_per_device(k)
+        self._resize_replicas(k)
+        self.replica_ceiling = k
+        rank_zero_warn(
+            f"crossbow: out of memory with replicas_per_device={k + 1} ({error.__class__.__name__}); the step runs"
+            f" again with {k} replicas and the last batch opens the next step. k stays at most {k} from now on."
+        )
+        return batches[:k]
+
     def _resize_replicas(self, replicas_per_device: int) -> None:
         assert self.stack is not None and self.engine is not None
         old_leaves = dict(self.stack.params)
@@ -401,11 +431,18 @@ class CrossbowStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         assert self.stack is not None
-        alpha = self.alpha
-        for bucket in self.stack.buckets:  # c_j from the weights BEFORE the local step
-            sma.corrections_(bucket.corrections, bucket.replicas, bucket.center, alpha)
+
+        def closure_then_corrections() -> Any:
+            # The optimizer runs this before it updates anything: after the replicas' forward and
+            # backward (which may have changed k, see _back_off), the weights are still the pre-step w_j.
+            result = closure()
+            alpha = self.alpha
+            for bucket in self.stack.buckets:
+                sma.corrections_(bucket.corrections, bucket.replicas, bucket.center, alpha)
+            return result
+
         output = self.precision_plugin.optimizer_step(
-            optimizer, model=model or self.lightning_module, closure=closure, **kwargs
+            optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
         )
         diverged = self._diverged_replicas()
         with torch.no_grad():

@@ -4,7 +4,8 @@ Policy (objective ``"throughput"``, Crossbow's): measure samples/s over a window
 first ``warmup`` steps after every change excluded; while adding one replica per device raised
 throughput by more than ``threshold``, add another; otherwise step back one and hold. Bounded by
 ``min_replicas``/``max_replicas`` and by memory (one more replica must fit twice over in the
-device's free memory: RAM on CPU, the accelerator's free memory on CUDA).
+device's free memory: RAM on CPU, the accelerator's free memory on CUDA), and below any k at which
+the strategy ran out of memory (it backs off one replica and retries the step by itself).
 
 In multi-process runs rank 0 decides and broadcasts; every rank applies the same k at the same step.
 """
@@ -125,7 +126,8 @@ class ReplicaAutoTuner(Callback):
             if gain <= self.threshold:
                 self.chosen = max(k - 1, self.min_replicas)
                 return self.chosen
-        if k >= self.max_replicas or not self._one_more_fits(strategy):
+        ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
+        if k >= ceiling or not self._one_more_fits(strategy):
             self.chosen = k
             return k
         return k + 1

@@ -112,3 +112,36 @@ def test_changing_k_with_gradient_accumulation_is_refused() -> None:
 def test_set_replicas_per_device_rejects_bad_values(bad: Any) -> None:
     with pytest.raises(ValueError, match="replicas_per_device must be a positive int"):
         CrossbowStrategy(replicas_per_device=2).set_replicas_per_device(bad)
+
+
+class RunsOutOfMemoryAbove(Classifier):
+    """Raises CUDA's out-of-memory error whenever more than ``fits`` replicas run at once (simulated on CPU)."""
+
+    def __init__(self, fits: int) -> None:
+        super().__init__()
+        self.fits = fits
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.trainer.strategy.stack.num_replicas > self.fits:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_out_of_memory_backs_off_and_retries_the_step_losing_no_batch(engine: str) -> None:
+    """From k=4 on a device where 2 fit: two back-offs in the first step, then exactly a k=2 run from the start."""
+    dataset = make_data(num_samples=96)
+    model, change, snapshot = RunsOutOfMemoryAbove(fits=2), ChangeReplicas(at_step=-1, new_k=0), ReplicaSnapshot()
+    strategy = CrossbowStrategy(replicas_per_device=4, engine=engine)
+    with pytest.warns(UserWarning, match="out of memory with replicas_per_device=4") as caught:
+        trainer(strategy=strategy, max_epochs=2, callbacks=[change, snapshot]).fit(model, loader(dataset))
+    assert sum("out of memory" in str(w.message) for w in caught) == 2  # 4 -> 3 -> 2, then it fits
+    assert strategy.replicas_per_device == strategy.replica_ceiling == 2
+    assert change.group_sizes == [4] + [2] * 5 + [2] * 6  # the first group ran as 2; its other 2 batches ran next
+
+    z, learners = reference_with_changing_k(make_net(), list(loader(dataset)), [[2] * 6, [2] * 6], lr=0.1, mu=0.9)
+    for (name, param), expected in zip(model.net.named_parameters(), z, strict=True):
+        torch.testing.assert_close(param.detach(), expected, msg=f"z differs in {name}")
+    for index, stacked in enumerate(snapshot.params.values()):
+        for j in range(2):
+            torch.testing.assert_close(stacked[j], learners[j][index])
