@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -46,6 +47,8 @@ class ReplicaAutoTuner(Callback):
         warmup: steps after each change that are not measured.
         threshold: the relative gain in samples/s that justifies one more replica.
         clock: seconds as a float; tests inject one.
+        plot: where to save a PNG of k over time and samples/s per k when training ends (rank 0, needs
+            matplotlib): a path, ``None`` for ``<trainer.log_dir>/replica_tuning.png``, or ``False``.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class ReplicaAutoTuner(Callback):
         warmup: int = 3,
         threshold: float = 0.1,
         clock: Callable[[], float] = time.perf_counter,
+        plot: Union[str, Path, None, Literal[False]] = None,
     ) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
@@ -71,6 +75,7 @@ class ReplicaAutoTuner(Callback):
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         self.window, self.warmup, self.threshold = window, warmup, float(threshold)
         self.clock = clock
+        self.plot = plot
         self.history: list[TuningRecord] = []
         #: The k the tuner settled on (None while it is still exploring).
         self.chosen: Optional[int] = None
@@ -114,8 +119,10 @@ class ReplicaAutoTuner(Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.history:
+        if self.history and trainer.is_global_zero:
             rank_zero_info(self.summary())
+            if self.plot is not False:
+                self.save_plot(Path(self.plot) if self.plot is not None else Path(trainer.log_dir or ".") / "replica_tuning.png")
 
     # ------------------------------------------------------------------------------ policy
     def _decide(self, k: int, strategy: Any) -> int:
@@ -156,6 +163,27 @@ class ReplicaAutoTuner(Callback):
             lines.append(f"  best measured: k={best.replicas_per_device} ({best.samples_per_sec:.1f} samples/s)")
         lines.append(f"  chosen: k={self.chosen}" if self.chosen is not None else "  still exploring")
         return "\n".join(lines)
+
+    def save_plot(self, path: Path) -> Optional[Path]:
+        """Saves k over training steps and samples/s per k as a PNG; ``None`` without matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        figure, (over_time, per_k) = plt.subplots(1, 2, figsize=(10, 3.5))
+        steps = [r.step for r in self.history]
+        over_time.step(steps, [r.replicas_per_device for r in self.history], where="post", marker="o")
+        over_time.set(xlabel="training step", ylabel="replicas per device (k)", title="k over time")
+        per_k.plot([r.replicas_per_device for r in self.history], [r.samples_per_sec for r in self.history], "o")
+        per_k.set(xlabel="replicas per device (k)", ylabel="samples/s", title="measured throughput")
+        figure.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        return path
 
     # ----------------------------------------------------------------------------- checkpoint
     @override

@@ -63,6 +63,7 @@ def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path) -> None:
         k = record.replicas_per_device
         assert record.samples_per_sec == pytest.approx(k * 8 / step_seconds(k))
     assert "chosen: k=3" in tuner.summary()
+    assert (tmp_path / "replica_tuning.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
