@@ -31,11 +31,21 @@ demo: env
 test: env
 	$(PY) -m pytest -q
 
+# Benchmarks run one after another (never two at once on a small machine), then the report:
+# benchmarks/RESULTS.md and benchmarks/plots/*.png from the JSON in benchmarks/out/.
 bench: env
+	$(PY) benchmarks/hardware.py
+	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/report.py
 
 bench-quick: env
+	$(PY) benchmarks/hardware.py --quick
+	$(PY) benchmarks/accuracy.py --quick
 	$(PY) benchmarks/throughput.py --quick
+	$(PY) benchmarks/distributed.py --quick
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import StepTimer
+from benchmarks.throughput import StepTimer, machine
 from examples.models import Classifier, conv1d_net
 from lightning_crossbow import CrossbowStrategy
 
@@ -178,7 +178,12 @@ def main() -> None:
               f"{median['collectives_per_step']:>18.2f}{median['bytes_per_step']:>12.0f}{comm:>14}")
     print(f"crossbow / ddp samples/s (median of paired runs): {ratio:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": measured, "median": summary, "crossbow_over_ddp": ratio}, indent=2))
+    command = "python benchmarks/distributed.py" + (" --quick" if args.quick else "")
+    args.out.write_text(json.dumps(
+        {"machine": machine(), "command": command, "repeats": repeats, "timed_steps": steps,
+         "runs": measured, "median": summary, "crossbow_over_ddp": ratio},
+        indent=2,
+    ))
 
 
 if __name__ == "__main__":

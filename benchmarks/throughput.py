@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -71,6 +72,19 @@ def samples_per_second(strategy: Any, k: int, batch_size: int, steps: int, warmu
     return timer.steps * k * batch_size / (timer.end - timer.start)
 
 
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
 def configurations(per_replica_batch: int, k: int) -> dict[str, tuple[Any, int, int]]:
     """name -> (strategy factory, replicas, batch size)."""
     return {
@@ -120,7 +134,12 @@ def main() -> None:
     for name, value in ratios.items():
         print(f"  {name:<48} {value['paired']:.2f} {value['of_medians']:>11.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"samples_per_sec": measured, "median": median, "ratios": ratios}, indent=2))
+    command = "python benchmarks/throughput.py" + (" --quick" if args.quick else "") + (f" --repeats {args.repeats}" if args.repeats else "")
+    args.out.write_text(json.dumps(
+        {"machine": machine(), "command": command, "repeats": repeats, "timed_steps": steps,
+         "samples_per_sec": measured, "median": median, "ratios": ratios},
+        indent=2,
+    ))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,199 @@
+"""Statistical efficiency and time to accuracy: epochs and wall time until the test accuracy reaches a target.
+
+Two workloads, each with the learning rate a user tuned for batch b on one learner:
+
+- ``mnist1d``: the MNIST-1D paper's CNN on MNIST-1D (4000 train / 1000 test), b=16, lr 0.02, target 90%
+  (of 0.01, 0.02 and 0.05, 0.02 reached 90% first for plain Lightning at b=16: epoch 14, seed 0);
+- ``digits``: an MLP on scikit-learn's 8x8 digits (1438 / 359), b=16, lr 0.05, target 95%.
+
+Configurations: plain Lightning at b (the tuned setting); plain at 8b with the same lr; plain at 8b
+with the linear scaling rule and a 5-epoch linear warm-up (Goyal et al. 2017); crossbow k=2, 4, 8
+at b with the lr unchanged; crossbow with ``replicas_per_device="auto"``. No per-k re-tuning.
+Test accuracy is measured after every epoch; evaluation time is not counted as training time.
+
+    python benchmarks/accuracy.py                 # both workloads, 3 seeds
+    python benchmarks/accuracy.py --quick         # 1 seed, 4 configurations, fewer epochs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.throughput import machine  # noqa: E402
+from examples.data import MNIST1D, ArrayDataModule, Digits  # noqa: E402
+from examples.models import Classifier, conv1d_net, mlp  # noqa: E402
+from lightning_crossbow import CrossbowStrategy  # noqa: E402
+
+OUT = Path(__file__).with_name("out")
+SCALE = 8  # the large-batch baselines use SCALE x b
+
+
+@dataclass
+class Workload:
+    name: str
+    data: Callable[[int, int], ArrayDataModule]  # (batch size, seed) -> data module
+    net: Callable[[], torch.nn.Module]
+    lr: float
+    target: float
+    max_epochs: int
+
+
+WORKLOADS = {
+    "mnist1d": Workload(
+        "mnist1d", lambda b, seed: MNIST1D(batch_size=b, val_fraction=0.0, seed=seed), lambda: conv1d_net(40, 10), 0.02, 0.90, 40
+    ),
+    "digits": Workload(
+        "digits", lambda b, seed: Digits(batch_size=b, val_fraction=0.0, seed=seed), lambda: mlp(64, 10), 0.05, 0.95, 40
+    ),
+}
+
+
+class WarmupClassifier(Classifier):
+    """The same classifier with a linear learning-rate warm-up over ``warmup_steps`` optimizer steps."""
+
+    def __init__(self, net: torch.nn.Module, warmup_steps: int, **kwargs: Any) -> None:
+        super().__init__(net, **kwargs)
+        self.warmup_steps = warmup_steps
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / self.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+class TestAccuracyCurve(L.Callback):
+    """After every training epoch: test accuracy of the module (z under crossbow), and training wall time so far."""
+
+    def __init__(self, test_loader: Any, target: float) -> None:
+        self.test_loader, self.target = test_loader, target
+        self.curve: list[dict[str, float]] = []
+        self._train_seconds = 0.0
+        self._epoch_started = 0.0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_started = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._train_seconds += time.perf_counter() - self._epoch_started
+        strategy = trainer.strategy
+        if hasattr(strategy, "sync_center_buffers"):
+            strategy.sync_center_buffers()
+        was_training = pl_module.training
+        pl_module.eval()
+        correct = total = 0
+        with torch.no_grad():
+            for x, y in self.test_loader:
+                correct += int((pl_module(x).argmax(1) == y).sum())
+                total += len(y)
+        pl_module.train(was_training)
+        accuracy = correct / total
+        self.curve.append({
+            "epoch": trainer.current_epoch + 1,
+            "wall_s": self._train_seconds,
+            "test_acc": accuracy,
+            "replicas_per_device": getattr(strategy, "replicas_per_device", 1),
+        })
+        if accuracy >= self.target:
+            trainer.should_stop = True
+
+
+def configurations(quick: bool) -> dict[str, dict[str, Any]]:
+    """name -> how to train: strategy factory, batch multiple, lr multiple, warm-up epochs."""
+    plain = lambda: "auto"  # noqa: E731
+    configs = {
+        "plain b": {"strategy": plain, "batch": 1, "lr": 1.0},
+        f"plain {SCALE}b, same lr": {"strategy": plain, "batch": SCALE, "lr": 1.0},
+        f"plain {SCALE}b, lr x{SCALE} + warm-up": {"strategy": plain, "batch": SCALE, "lr": float(SCALE), "warmup_epochs": 5},
+        "crossbow k=2": {"strategy": lambda: CrossbowStrategy(2), "batch": 1, "lr": 1.0},
+        "crossbow k=4": {"strategy": lambda: CrossbowStrategy(4), "batch": 1, "lr": 1.0},
+        "crossbow k=8": {"strategy": lambda: CrossbowStrategy(8), "batch": 1, "lr": 1.0},
+        "crossbow auto": {"strategy": lambda: CrossbowStrategy("auto"), "batch": 1, "lr": 1.0},
+    }
+    if quick:
+        keep = ("plain b", f"plain {SCALE}b, lr x{SCALE} + warm-up", "crossbow k=4", "crossbow auto")
+        configs = {name: configs[name] for name in keep}
+    return configs
+
+
+def train_to_target(workload: Workload, config: dict[str, Any], seed: int, max_epochs: int, b: int = 16) -> dict[str, Any]:
+    L.seed_everything(seed, verbose=False)
+    batch = b * config["batch"]
+    data = workload.data(batch, seed)
+    data.setup("fit")
+    lr = workload.lr * config["lr"]
+    steps_per_epoch = len(data.train_dataloader())
+    if config.get("warmup_epochs"):
+        model: Classifier = WarmupClassifier(workload.net(), warmup_steps=config["warmup_epochs"] * steps_per_epoch, lr=lr)
+    else:
+        model = Classifier(workload.net(), lr=lr)
+    curve = TestAccuracyCurve(data.test_dataloader(), workload.target)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=config["strategy"](), max_epochs=max_epochs, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[curve],
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, train_dataloaders=data.train_dataloader())
+    reached = next((point for point in curve.curve if point["test_acc"] >= workload.target), None)
+    return {
+        "seed": seed,
+        "curve": curve.curve,
+        "epochs_to_target": reached["epoch"] if reached else None,
+        "seconds_to_target": reached["wall_s"] if reached else None,
+        "best_test_acc": max(point["test_acc"] for point in curve.curve),
+    }
+
+
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    """Median where a run that never reached the target counts as infinitely slow (None if it is such a run)."""
+    return sorted(values, key=lambda v: float("inf") if v is None else v)[len(values) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--seeds", type=int, help="number of seeds (default 3, or 1 with --quick)")
+    args = parser.parse_args()
+    seeds = list(range(args.seeds or (1 if args.quick else 3)))
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "command": "python benchmarks/accuracy.py" + (" --quick" if args.quick else ""),
+        "scale": SCALE,
+        "workloads": {},
+    }
+    for name in args.workloads:
+        workload = WORKLOADS[name]
+        max_epochs = 15 if args.quick else workload.max_epochs
+        table: dict[str, Any] = {}
+        for config_name, config in configurations(args.quick).items():
+            runs = [train_to_target(workload, config, seed, max_epochs) for seed in seeds]
+            table[config_name] = {
+                "runs": runs,
+                "median_epochs": _median([r["epochs_to_target"] for r in runs]),
+                "median_seconds": _median([r["seconds_to_target"] for r in runs]),
+                "reached": sum(r["epochs_to_target"] is not None for r in runs),
+                "median_best_acc": statistics.median(r["best_test_acc"] for r in runs),
+            }
+            row = table[config_name]
+            print(f"{name:<8} {config_name:<32} epochs {row['median_epochs']}  seconds {row['median_seconds']}"
+                  f"  reached {row['reached']}/{len(runs)}  best acc {row['median_best_acc']:.3f}", flush=True)
+        results["workloads"][name] = {"target": workload.target, "lr": workload.lr, "max_epochs": max_epochs, "configs": table}
+    OUT.mkdir(exist_ok=True)
+    (OUT / "accuracy.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Writes benchmarks/RESULTS.md and the PNG plots in benchmarks/plots/ from the JSON in benchmarks/out/.
+
+    python benchmarks/report.py      # after hardware.py, accuracy.py, throughput.py, distributed.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+OUT, PLOTS, RESULTS = HERE / "out", HERE / "plots", HERE / "RESULTS.md"
+
+
+def _load(name: str) -> Optional[dict[str, Any]]:
+    path = OUT / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _fmt(value: Optional[float], digits: int = 1) -> str:
+    return "not reached" if value is None else f"{value:.{digits}f}"
+
+
+def _spread(values: list[Optional[float]], digits: int = 1) -> str:
+    reached = [v for v in values if v is not None]
+    if not reached:
+        return ""
+    missing = len(values) - len(reached)
+    text = f"{min(reached):.{digits}f}-{max(reached):.{digits}f}"
+    return text + (f", {missing} not reached" if missing else "")
+
+
+def hardware_section(data: dict[str, Any]) -> list[str]:
+    lines = [
+        "## 1. Hardware efficiency (samples/s, one process)",
+        "",
+        f"`{data['command']}`: median of {data['repeats']} interleaved repetitions of {data['timed_steps']} timed steps;"
+        " ratios are medians of per-repetition ratios.",
+        "",
+        "| k | b | engine | samples/s | / plain b | / plain k*b |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['k']} | {r['b']} | {r['engine']} | {r['samples_per_sec']:.0f} | {r['over_plain_b']:.2f} | {r['over_plain_kb']:.2f} |"
+        )
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for b in sorted({r["b"] for r in data["rows"]}):
+        for engine in ("fused", "sequential"):
+            rows = [r for r in data["rows"] if r["b"] == b and r["engine"] in (engine, "fused" if r["k"] == 1 else engine)]
+            rows = sorted({r["k"]: r for r in rows}.values(), key=lambda r: r["k"])
+            axis.plot([r["k"] for r in rows], [r["samples_per_sec"] for r in rows], "o-", label=f"crossbow {engine}, b={b}")
+        plain = sorted({r["k"]: r for r in data["rows"] if r["b"] == b}.values(), key=lambda r: r["k"])
+        axis.plot([r["k"] for r in plain], [r["plain_kb"] for r in plain], "k--", alpha=0.5, label=f"plain, batch k*{b}")
+    axis.set(xscale="log", xlabel="replicas per device k", ylabel="samples/s", title="Throughput against k")
+    axis.set_xticks([1, 2, 4, 8, 16], labels=["1", "2", "4", "8", "16"])
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(PLOTS / "throughput_vs_k.png", dpi=100)
+    plt.close(figure)
+    lines += ["", "![throughput against k](plots/throughput_vs_k.png)", ""]
+    return lines
+
+
+def accuracy_section(data: dict[str, Any]) -> list[str]:
+    lines = [
+        "## 2. Statistical efficiency and time to accuracy",
+        "",
+        f"`{data['command']}`. Epochs and training wall time (evaluation excluded) until the test accuracy"
+        " first reaches the target; median over seeds (a run that never reached it counts as the slowest),"
+        " range in brackets. Learning rates are the user's, tuned for plain Lightning at b=16;"
+        f" nothing is re-tuned per k. \"plain {data['scale']}b\" uses {data['scale']}x the batch.",
+        "",
+        "Not run: Lightning's DDPStrategy with post-local SGD. It needs a DDP communication hook, and"
+        " Lightning registers those on CUDA only; this machine has no GPU.",
+        "",
+    ]
+    for name, workload in data["workloads"].items():
+        configs = workload["configs"]
+        plain = configs.get("plain b", {}).get("median_seconds")
+        lines += [
+            f"### {name}: target {workload['target']:.0%} test accuracy, lr {workload['lr']}, at most {workload['max_epochs']} epochs",
+            "",
+            "| configuration | epochs to target | seconds to target | time / plain b | reached | best test acc |",
+            "|---|---|---|---|---|---|",
+        ]
+        for config_name, row in configs.items():
+            epochs = [r["epochs_to_target"] for r in row["runs"]]
+            seconds = [r["seconds_to_target"] for r in row["runs"]]
+            ratio = f"{row['median_seconds'] / plain:.2f}" if plain and row["median_seconds"] else "-"
+            lines.append(
+                f"| {config_name} | {_fmt(row['median_epochs'], 0)} ({_spread(epochs, 0)}) | {_fmt(row['median_seconds'])}"
+                f" ({_spread(seconds)}) | {ratio} | {row['reached']}/{len(row['runs'])} | {row['median_best_acc']:.3f} |"
+            )
+        figure, (by_time, by_epoch) = plt.subplots(1, 2, figsize=(11, 4))
+        for config_name, row in configs.items():
+            curve = row["runs"][0]["curve"]
+            by_time.plot([p["wall_s"] for p in curve], [p["test_acc"] for p in curve], label=config_name)
+            by_epoch.plot([p["epoch"] for p in curve], [p["test_acc"] for p in curve], label=config_name)
+        for axis, label in ((by_time, "training wall time (s)"), (by_epoch, "epoch")):
+            axis.axhline(workload["target"], color="k", linestyle=":", linewidth=1)
+            axis.set(xlabel=label, ylabel="test accuracy", title=f"{name} (seed 0)")
+        by_epoch.legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(PLOTS / f"accuracy_{name}.png", dpi=100)
+        plt.close(figure)
+        lines += ["", f"![{name} accuracy](plots/accuracy_{name}.png)", ""]
+    return lines
+
+
+def overhead_section(data: dict[str, Any]) -> list[str]:
+    lines = [
+        "## 3. Overhead and the core comparisons",
+        "",
+        f"`{data['command']}`: median samples/s of {data['repeats']} interleaved runs of {data['timed_steps']} timed steps.",
+        "",
+        "| configuration | samples/s |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {value:.0f} |" for name, value in data["median"].items()]
+    lines += ["", "| ratio | paired | of medians |", "|---|---|---|"]
+    lines += [f"| {name} | {v['paired']:.2f} | {v['of_medians']:.2f} |" for name, v in data["ratios"].items()]
+    return lines + [""]
+
+
+def distributed_section(data: dict[str, Any]) -> list[str]:
+    lines = [
+        "## 4. Two CPU processes: crossbow against DDP",
+        "",
+        f"`{data['command']}`: 2 gloo processes, same total batch per step; medians of {data['repeats']} alternating"
+        f" runs of {data['timed_steps']} timed steps.",
+        "",
+        "| configuration | samples/s | step ms | collectives/step | bytes/step | comm ms/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, m in data["median"].items():
+        comm = f"{m['comm_ms_per_step']:.2f}" if name.startswith("crossbow") else "overlapped with backward"
+        lines.append(
+            f"| {name} | {m['samples_per_sec']:.0f} | {m['step_ms']:.2f} | {m['collectives_per_step']:.2f}"
+            f" | {m['bytes_per_step']:.0f} | {comm} |"
+        )
+    lines += ["", f"crossbow / DDP samples/s: {data['crossbow_over_ddp']:.2f} (median of paired runs).", ""]
+    return lines
+
+
+def main() -> None:
+    PLOTS.mkdir(exist_ok=True)
+    sections = {
+        "hardware": hardware_section,
+        "accuracy": accuracy_section,
+        "throughput": overhead_section,
+        "distributed": distributed_section,
+    }
+    loaded = {name: _load(name) for name in sections}
+    machine = next((d["machine"] for d in loaded.values() if d and "machine" in d), {})
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `make bench` (`benchmarks/report.py`); `make bench-quick` runs a reduced version.",
+        "",
+        "Machine: " + ", ".join(f"{key} {value}" for key, value in machine.items()),
+        "",
+    ]
+    for name, section in sections.items():
+        data = loaded[name]
+        lines += section(data) if data else [f"## {name}: not run", ""]
+    RESULTS.write_text("\n".join(lines))
+    print(f"wrote {RESULTS} and {PLOTS}/")
+
+
+if __name__ == "__main__":
+    main()
