@@ -1,8 +1,16 @@
 """ReplicaAutoTuner: chooses k, the replicas per device, while training runs (Crossbow's auto-tuning).
 
-Policy (objective ``"throughput"``, Crossbow's): measure samples/s over a window of steps, the
-first ``warmup`` steps after every change excluded; while adding one replica per device raised
-throughput by more than ``threshold``, add another; otherwise step back one and hold. Bounded by
+Every measurement is a window of steps, the first ``warmup`` steps after a change excluded.
+
+- ``objective="throughput"`` (Crossbow's policy): while adding one replica per device raised samples/s
+  by more than ``threshold``, add another; otherwise step back one and hold.
+- ``objective="progress"``: time to accuracy is time per sample x samples to accuracy (Omnivore), and
+  more replicas can need more samples. Progress per second is the decrease of the training loss per
+  second (the least-squares slope of the per-step loss, mean over replicas, against wall time). The
+  loss falls more slowly as training goes on, so a trial of k+1 is compared with windows at k just
+  before and just after it (A-B-A); k+1 is kept while it beats their mean by more than ``threshold``.
+
+Both are bounded by
 ``min_replicas``/``max_replicas`` and by memory (one more replica must fit twice over in the
 device's free memory: RAM on CPU, the accelerator's free memory on CUDA), and below any k at which
 the strategy ran out of memory (it backs off one replica and retries the step by itself).
@@ -25,23 +33,25 @@ from typing_extensions import override
 
 from lightning_crossbow.accelerator import device_memory
 
-OBJECTIVES = ("throughput",)
+OBJECTIVES = ("throughput", "progress")
 
 
 @dataclass
 class TuningRecord:
-    """One measured window: from ``step`` on, ``replicas_per_device`` replicas gave ``samples_per_sec``."""
+    """One measured window, ending at ``step``: samples/s and training-loss decrease per second at k."""
 
     step: int
     replicas_per_device: int
     samples_per_sec: float
+    progress_per_sec: float = float("nan")
 
 
 class ReplicaAutoTuner(Callback):
     """Tunes ``replicas_per_device`` of a :class:`~lightning_crossbow.CrossbowStrategy` during fit.
 
     Args:
-        objective: ``"throughput"``: maximise samples/s (Crossbow's policy).
+        objective: ``"throughput"`` (maximise samples/s, Crossbow's policy) or ``"progress"`` (maximise the
+            training loss's decrease per second).
         min_replicas, max_replicas: bounds on k.
         window: steps per measurement.
         warmup: steps after each change that are not measured.
@@ -53,7 +63,7 @@ class ReplicaAutoTuner(Callback):
 
     def __init__(
         self,
-        objective: Literal["throughput"] = "throughput",
+        objective: Literal["throughput", "progress"] = "throughput",
         min_replicas: int = 1,
         max_replicas: int = 16,
         window: int = 20,
@@ -82,6 +92,10 @@ class ReplicaAutoTuner(Callback):
         self._steps_since_change = 0
         self._window_started: Optional[float] = None
         self._window_samples = 0
+        self._window_losses: list[tuple[float, float]] = []  # (seconds, mean loss over replicas)
+        self._phase: Literal["before", "trial", "after"] = "before"  # the A-B-A of objective="progress"
+        self._before: Optional[TuningRecord] = None
+        self._trial: Optional[TuningRecord] = None
 
     # ------------------------------------------------------------------------------- hooks
     @override
@@ -96,22 +110,33 @@ class ReplicaAutoTuner(Callback):
         trainer.strategy.restore_replicas_per_device = True  # a resumed run carries on with the tuned k
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.chosen is not None:
             return
         strategy = trainer.strategy
         now = self.clock()
         self._steps_since_change += 1
-        if self._steps_since_change == self.warmup + 1 or self._window_started is None:
-            self._window_started, self._window_samples = now, 0  # measuring starts after the warm-up
+        if self._steps_since_change <= self.warmup:
             return
-        self._window_samples += strategy.samples_per_step or 0
+        if self._window_started is None:  # measuring starts at the end of the first step after the warm-up
+            self._window_started, self._window_samples, self._window_losses = now, 0, []
+        else:
+            self._window_samples += strategy.samples_per_step or 0
+        if self.objective == "progress":
+            self._window_losses.append((now, _mean_loss(outputs, strategy.replicas_per_device)))
         if self._steps_since_change < self.warmup + 1 + self.window:
             return
-        rate = self._window_samples / max(now - self._window_started, 1e-12)
         k = strategy.replicas_per_device
-        self.history.append(TuningRecord(trainer.global_step, k, rate))
-        next_k = self._decide(k, strategy)
+        record = TuningRecord(
+            trainer.global_step,
+            k,
+            self._window_samples / max(now - self._window_started, 1e-12),
+            -_slope(self._window_losses) if self.objective == "progress" else float("nan"),
+        )
+        self.history.append(record)
+        next_k = self._decide_progress(record, strategy) if self.objective == "progress" else self._decide(k, strategy)
         next_k = int(strategy.broadcast(next_k, src=0))  # rank 0 decides for every rank
         if next_k != k:
             strategy.set_replicas_per_device(next_k)
@@ -133,11 +158,34 @@ class ReplicaAutoTuner(Callback):
             if gain <= self.threshold:
                 self.chosen = max(k - 1, self.min_replicas)
                 return self.chosen
-        ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
-        if k >= ceiling or not self._one_more_fits(strategy):
+        if not self._can_grow(k, strategy):
             self.chosen = k
             return k
         return k + 1
+
+    def _decide_progress(self, record: TuningRecord, strategy: Any) -> int:
+        """A-B-A: measure k, then k+1, then k again; keep k+1 if it beats the mean of both k windows."""
+        k = record.replicas_per_device
+        if self._phase == "before":
+            if not self._can_grow(k, strategy):
+                self.chosen = k
+                return k
+            self._before, self._phase = record, "trial"
+            return k + 1
+        if self._phase == "trial":
+            self._trial, self._phase = record, "after"
+            return k - 1
+        assert self._before is not None and self._trial is not None
+        baseline = (self._before.progress_per_sec + record.progress_per_sec) / 2
+        self._phase = "before"
+        if self._trial.progress_per_sec > baseline + self.threshold * abs(baseline):
+            return k + 1  # k+1 becomes the baseline, measured afresh next to the next trial
+        self.chosen = k
+        return k
+
+    def _can_grow(self, k: int, strategy: Any) -> bool:
+        ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
+        return k < ceiling and self._one_more_fits(strategy)
 
     @staticmethod
     def _one_more_fits(strategy: Any) -> bool:
@@ -155,9 +203,15 @@ class ReplicaAutoTuner(Callback):
         return max(self.history, key=lambda record: record.samples_per_sec, default=None)
 
     def summary(self) -> str:
-        """k over time and samples/s per k, as a table."""
-        lines = ["crossbow ReplicaAutoTuner", f"  {'from step':>9}  {'k':>3}  {'samples/s':>10}"]
-        lines += [f"  {r.step:>9}  {r.replicas_per_device:>3}  {r.samples_per_sec:>10.1f}" for r in self.history]
+        """Every measured window (k, samples/s, loss decrease per second) and the chosen k, as a table."""
+        lines = [
+            f"crossbow ReplicaAutoTuner (objective={self.objective})",
+            f"  {'window to step':>14}  {'k':>3}  {'samples/s':>10}  {'loss decrease/s':>15}",
+        ]
+        lines += [
+            f"  {r.step:>14}  {r.replicas_per_device:>3}  {r.samples_per_sec:>10.1f}  {r.progress_per_sec:>15.4g}"
+            for r in self.history
+        ]
         best = self.best()
         if best is not None:
             lines.append(f"  best measured: k={best.replicas_per_device} ({best.samples_per_sec:.1f} samples/s)")
@@ -188,9 +242,35 @@ class ReplicaAutoTuner(Callback):
     # ----------------------------------------------------------------------------- checkpoint
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [vars(record).copy() for record in self.history], "chosen": self.chosen}
+        return {
+            "history": [vars(record).copy() for record in self.history],
+            "chosen": self.chosen,
+            "phase": self._phase,
+            "before": vars(self._before).copy() if self._before else None,
+            "trial": vars(self._trial).copy() if self._trial else None,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [TuningRecord(**record) for record in state_dict["history"]]
         self.chosen = state_dict["chosen"]
+        self._phase = state_dict.get("phase", "before")
+        self._before = TuningRecord(**state_dict["before"]) if state_dict.get("before") else None
+        self._trial = TuningRecord(**state_dict["trial"]) if state_dict.get("trial") else None
+
+
+def _mean_loss(outputs: Any, replicas_per_device: int) -> float:
+    """The step's training loss, mean over replicas (the strategy returns their sum)."""
+    loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+    return float(loss) / replicas_per_device if loss is not None else float("nan")
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of ``y`` against ``x`` (0 with fewer than two distinct ``x``)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / max(n, 1)
+    mean_y = sum(y for _, y in points) / max(n, 1)
+    var_x = sum((x - mean_x) ** 2 for x, _ in points)
+    if n < 2 or var_x == 0:
+        return 0.0
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x

@@ -30,6 +30,25 @@ class FakeClock(L.Callback):
         self.now += step_seconds(len(batch))
 
 
+def progress_per_step(k: int) -> float:
+    """Statistical efficiency: a step of k replicas is worth sqrt(k) single-replica steps of loss decrease."""
+    return 0.01 * k**0.5
+
+
+class ScriptedLoss(Classifier):
+    """Its training loss is scripted: it falls by ``progress_per_step(k)`` every step (gradients are zero)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripted = 10.0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.scripted -= progress_per_step(len(batch))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return super().training_step(batch, batch_idx) * 0.0 + self.scripted
+
+
 def expected_choice(threshold: float, start: int = 1) -> int:
     """Crossbow's rule on the known step times: add replicas while one more gains more than the threshold."""
     k = start
@@ -38,9 +57,11 @@ def expected_choice(threshold: float, start: int = 1) -> int:
     return k
 
 
-def tuned_fit(tmp_path, max_steps: int, start_k: int = 1, ckpt_path=None) -> tuple[ReplicaAutoTuner, L.Trainer]:
+def tuned_fit(
+    tmp_path, max_steps: int, start_k: int = 1, ckpt_path=None, objective: str = "throughput", model=None
+) -> tuple[ReplicaAutoTuner, L.Trainer]:
     clock = FakeClock()
-    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock)
+    tuner = ReplicaAutoTuner(objective=objective, window=4, warmup=1, threshold=0.1, clock=clock)
     fit = trainer(
         strategy=CrossbowStrategy(replicas_per_device=start_k),
         callbacks=[clock, tuner],
@@ -48,7 +69,7 @@ def tuned_fit(tmp_path, max_steps: int, start_k: int = 1, ckpt_path=None) -> tup
         max_epochs=-1,
         default_root_dir=tmp_path,
     )
-    fit.fit(Classifier(), loader(make_data(num_samples=400)), ckpt_path=ckpt_path)
+    fit.fit(model or Classifier(), loader(make_data(num_samples=400)), ckpt_path=ckpt_path)
     return tuner, fit
 
 
@@ -103,3 +124,14 @@ def test_auto_replicas_adds_a_tuner_and_starts_from_one_replica() -> None:
     fit = trainer(strategy=strategy, max_steps=3)
     fit.fit(Classifier(), loader(make_data(num_samples=80)))
     assert sum(isinstance(c, ReplicaAutoTuner) for c in fit.callbacks) == 1
+
+
+def test_the_progress_objective_weighs_statistical_efficiency(tmp_path) -> None:
+    """Throughput alone would take k=3; per second of wall time the loss falls fastest at k=2."""
+    rate = {k: progress_per_step(k) / step_seconds(k) for k in range(1, 5)}  # loss decrease per second
+    assert rate[2] > 1.1 * rate[1] and rate[3] < 1.1 * rate[2]
+    tuner, fit = tuned_fit(tmp_path, max_steps=80, objective="progress", model=ScriptedLoss())
+    assert tuner.chosen == fit.strategy.replicas_per_device == 2
+    assert [r.replicas_per_device for r in tuner.history] == [1, 2, 1, 2, 3, 2]  # A-B-A around every trial
+    for record in tuner.history:
+        assert record.progress_per_sec == pytest.approx(rate[record.replicas_per_device], rel=1e-5)  # float32 losses
