@@ -1,6 +1,8 @@
 """ReplicaAutoTuner: chooses k, the replicas per device, while training runs (Crossbow's auto-tuning).
 
-Every measurement is a window of steps, the first ``warmup`` steps after a change excluded.
+Every measurement is a window of ``window`` training steps, the first ``warmup`` steps after a change
+excluded; a step's time runs from the previous step's end to its own, and intervals that hold
+validation or an epoch boundary are not counted.
 
 - ``objective="throughput"`` (Crossbow's policy): while adding one replica per device raised samples/s
   by more than ``threshold``, add another; otherwise step back one and hold.
@@ -90,9 +92,13 @@ class ReplicaAutoTuner(Callback):
         #: The k the tuner settled on (None while it is still exploring).
         self.chosen: Optional[int] = None
         self._steps_since_change = 0
-        self._window_started: Optional[float] = None
+        self._last_step_end: Optional[float] = None  # None after anything that is not a training step
+        self._window_seconds = 0.0
         self._window_samples = 0
-        self._window_losses: list[tuple[float, float]] = []  # (seconds, mean loss over replicas)
+        self._window_steps = 0
+        # (training seconds, mean loss over replicas), in runs of consecutive steps: a skipped interval
+        # (validation, an epoch's end) starts a new run.
+        self._window_losses: list[list[tuple[float, float]]] = []
         self._phase: Literal["before", "trial", "after"] = "before"  # the A-B-A of objective="progress"
         self._before: Optional[TuningRecord] = None
         self._trial: Optional[TuningRecord] = None
@@ -116,23 +122,28 @@ class ReplicaAutoTuner(Callback):
         if self.chosen is not None:
             return
         strategy = trainer.strategy
-        now = self.clock()
+        now, last = self.clock(), self._last_step_end
+        self._last_step_end = now
         self._steps_since_change += 1
-        if self._steps_since_change <= self.warmup:
-            return
-        if self._window_started is None:  # measuring starts at the end of the first step after the warm-up
-            self._window_started, self._window_samples, self._window_losses = now, 0, []
-        else:
-            self._window_samples += strategy.samples_per_step or 0
+        if self._steps_since_change <= self.warmup or last is None:
+            if self._window_losses and self._window_losses[-1]:
+                self._window_losses.append([])
+            return  # a warm-up step, or one whose interval holds validation or an epoch's end
+        # One step's interval: from the previous step's end (its batch fetched in between) to this end.
+        self._window_seconds += now - last
+        self._window_samples += strategy.samples_per_step or 0
+        self._window_steps += 1
         if self.objective == "progress":
-            self._window_losses.append((now, _mean_loss(outputs, strategy.replicas_per_device)))
-        if self._steps_since_change < self.warmup + 1 + self.window:
+            if not self._window_losses:
+                self._window_losses.append([])
+            self._window_losses[-1].append((self._window_seconds, _mean_loss(outputs, strategy.replicas_per_device)))
+        if self._window_steps < self.window:
             return
         k = strategy.replicas_per_device
         record = TuningRecord(
             trainer.global_step,
             k,
-            self._window_samples / max(now - self._window_started, 1e-12),
+            self._window_samples / max(self._window_seconds, 1e-12),
             -_slope(self._window_losses) if self.objective == "progress" else float("nan"),
         )
         self.history.append(record)
@@ -140,7 +151,16 @@ class ReplicaAutoTuner(Callback):
         next_k = int(strategy.broadcast(next_k, src=0))  # rank 0 decides for every rank
         if next_k != k:
             strategy.set_replicas_per_device(next_k)
-        self._steps_since_change, self._window_started = 0, None
+        self._steps_since_change = self._window_steps = self._window_samples = 0
+        self._window_seconds, self._window_losses = 0.0, []
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._last_step_end = None  # the next interval would hold the epoch's end and the next epoch's start
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._last_step_end = None
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -265,12 +285,17 @@ def _mean_loss(outputs: Any, replicas_per_device: int) -> float:
     return float(loss) / replicas_per_device if loss is not None else float("nan")
 
 
-def _slope(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of ``y`` against ``x`` (0 with fewer than two distinct ``x``)."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / max(n, 1)
-    mean_y = sum(y for _, y in points) / max(n, 1)
-    var_x = sum((x - mean_x) ** 2 for x, _ in points)
-    if n < 2 or var_x == 0:
-        return 0.0
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x
+def _slope(runs: list[list[tuple[float, float]]]) -> float:
+    """Least-squares slope of ``y`` against ``x``, one common slope with an intercept per run of points.
+
+    ``sum_runs sum (x - mean_x)(y - mean_y) / sum_runs sum (x - mean_x)^2``; 0 without spread in ``x``.
+    """
+    covariance = variance = 0.0
+    for points in runs:
+        if not points:
+            continue
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        covariance += sum((x - mean_x) * (y - mean_y) for x, y in points)
+        variance += sum((x - mean_x) ** 2 for x, _ in points)
+    return covariance / variance if variance > 0 else 0.0

@@ -134,4 +134,4 @@ def test_the_progress_objective_weighs_statistical_efficiency(tmp_path) -> None:
     assert tuner.chosen == fit.strategy.replicas_per_device == 2
     assert [r.replicas_per_device for r in tuner.history] == [1, 2, 1, 2, 3, 2]  # A-B-A around every trial
     for record in tuner.history:
-        assert record.progress_per_sec == pytest.approx(rate[record.replicas_per_device], rel=1e-5)  # float32 losses
+        assert record.progress_per_sec == pytest.approx(rate[record.replicas_per_device], rel=1e-4)  # float32 losses
