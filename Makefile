@@ -38,6 +38,7 @@ bench: env
 	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/tuner.py
 	$(PY) benchmarks/report.py
 
 bench-quick: env
@@ -45,6 +46,7 @@ bench-quick: env
 	$(PY) benchmarks/accuracy.py --quick
 	$(PY) benchmarks/throughput.py --quick
 	$(PY) benchmarks/distributed.py --quick
+	$(PY) benchmarks/tuner.py --quick
 	$(PY) benchmarks/report.py
 
 clean:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.throughput import machine  # noqa: E402
 from examples.data import MNIST1D, ArrayDataModule, Digits  # noqa: E402
 from examples.models import Classifier, conv1d_net, mlp  # noqa: E402
-from lightning_crossbow import CrossbowStrategy  # noqa: E402
+from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
 
 OUT = Path(__file__).with_name("out")
 SCALE = 8  # the large-batch baselines use SCALE x b
@@ -121,9 +121,15 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         "crossbow k=4": {"strategy": lambda: CrossbowStrategy(4), "batch": 1, "lr": 1.0},
         "crossbow k=8": {"strategy": lambda: CrossbowStrategy(8), "batch": 1, "lr": 1.0},
         "crossbow auto": {"strategy": lambda: CrossbowStrategy("auto"), "batch": 1, "lr": 1.0},
+        "crossbow auto, progress": {
+            "strategy": lambda: CrossbowStrategy(1),
+            "callbacks": lambda: [ReplicaAutoTuner(objective="progress", plot=False)],
+            "batch": 1,
+            "lr": 1.0,
+        },
     }
     if quick:
-        keep = ("plain b", f"plain {SCALE}b, lr x{SCALE} + warm-up", "crossbow k=4", "crossbow auto")
+        keep = ("plain b", f"plain {SCALE}b, lr x{SCALE} + warm-up", "crossbow k=4", "crossbow auto", "crossbow auto, progress")
         configs = {name: configs[name] for name in keep}
     return configs
 
@@ -142,7 +148,8 @@ def train_to_target(workload: Workload, config: dict[str, Any], seed: int, max_e
     curve = TestAccuracyCurve(data.test_dataloader(), workload.target)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=config["strategy"](), max_epochs=max_epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[curve],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[curve, *config.get("callbacks", list)()],
         num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(model, train_dataloaders=data.train_dataloader())
@@ -166,6 +173,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--seeds", type=int, help="number of seeds (default 3, or 1 with --quick)")
+    parser.add_argument("--configs", nargs="+", help="run only these configurations, keeping the others' results")
     args = parser.parse_args()
     seeds = list(range(args.seeds or (1 if args.quick else 3)))
     results: dict[str, Any] = {
@@ -174,11 +182,16 @@ def main() -> None:
         "scale": SCALE,
         "workloads": {},
     }
+    previous = json.loads((OUT / "accuracy.json").read_text()) if args.configs and (OUT / "accuracy.json").exists() else None
+    if previous is not None:
+        results["workloads"] = previous["workloads"]
     for name in args.workloads:
         workload = WORKLOADS[name]
         max_epochs = 15 if args.quick else workload.max_epochs
-        table: dict[str, Any] = {}
+        table: dict[str, Any] = results["workloads"].get(name, {}).get("configs", {})
         for config_name, config in configurations(args.quick).items():
+            if args.configs and config_name not in args.configs:
+                continue
             runs = [train_to_target(workload, config, seed, max_epochs) for seed in seeds]
             table[config_name] = {
                 "runs": runs,

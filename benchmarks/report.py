@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Optional
 
@@ -149,6 +150,28 @@ def distributed_section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def tuner_section(data: dict[str, Any]) -> list[str]:
+    fixed = {int(k): v for k, v in data["fixed"].items()}
+    lines = [
+        "## 5. ReplicaAutoTuner against fixed k",
+        "",
+        f"`{data['command']}`: crossbow at every fixed k, and a run tuned from k=1 (objective \"throughput\")"
+        " measured after the tuner chose; per-replica batch 16.",
+        "",
+        "| k | samples/s (median) |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {statistics.median(v):.0f} |" for k, v in fixed.items()]
+    lines += [
+        f"| tuned (chose {', '.join(str(c) for c in data['chosen'])}) | {statistics.median(data['tuned']):.0f} |",
+        "",
+        f"Tuned / best fixed k in the same repetition (median): {data['tuned_over_best_fixed']:.2f};"
+        f" best fixed k by median: {data['best_fixed_k']}.",
+        "",
+    ]
+    return lines
+
+
 def main() -> None:
     PLOTS.mkdir(exist_ok=True)
     sections = {
@@ -156,6 +179,7 @@ def main() -> None:
         "accuracy": accuracy_section,
         "throughput": overhead_section,
         "distributed": distributed_section,
+        "tuner": tuner_section,
     }
     loaded = {name: _load(name) for name in sections}
     machine = next((d["machine"] for d in loaded.values() if d and "machine" in d), {})

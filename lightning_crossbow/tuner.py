@@ -4,8 +4,11 @@ Every measurement is a window of ``window`` training steps, the first ``warmup``
 excluded; a step's time runs from the previous step's end to its own, and intervals that hold
 validation or an epoch boundary are not counted.
 
-- ``objective="throughput"`` (Crossbow's policy): while adding one replica per device raised samples/s
-  by more than ``threshold``, add another; otherwise step back one and hold.
+- ``objective="throughput"`` (Crossbow's policy): while the last replica added raised samples/s by more
+  than ``threshold`` of a replica's share, add another; otherwise step back one and hold. The gain of
+  going from k-1 to k replicas is ``(R_k - R_{k-1}) / (R_{k-1} / (k-1))``: 1 when throughput scales
+  linearly, whatever k. (A plain relative gain ``R_k / R_{k-1} - 1`` is at most ``1/(k-1)`` even with
+  perfect scaling, so a 10% threshold would stop near k=10 on any device, and noise stops it far earlier.)
 - ``objective="progress"``: time to accuracy is time per sample x samples to accuracy (Omnivore), and
   more replicas can need more samples. Progress per second is the decrease of the training loss per
   second (the least-squares slope of the per-step loss, mean over replicas, against wall time). The
@@ -57,7 +60,9 @@ class ReplicaAutoTuner(Callback):
         min_replicas, max_replicas: bounds on k.
         window: steps per measurement.
         warmup: steps after each change that are not measured.
-        threshold: the relative gain in samples/s that justifies one more replica.
+        threshold: the gain that justifies one more replica: for ``"throughput"`` the samples/s the last
+            replica added, as a fraction of the average replica's; for ``"progress"`` the relative gain
+            in loss decrease per second.
         clock: seconds as a float; tests inject one.
         plot: where to save a PNG of k over time and samples/s per k when training ends (rank 0, needs
             matplotlib): a path, ``None`` for ``<trainer.log_dir>/replica_tuning.png``, or ``False``.
@@ -174,7 +179,8 @@ class ReplicaAutoTuner(Callback):
         """Crossbow's rule: one more replica while the last one paid off by more than ``threshold``."""
         previous = self.history[-2] if len(self.history) >= 2 else None
         if previous is not None and previous.replicas_per_device == k - 1:
-            gain = self.history[-1].samples_per_sec / previous.samples_per_sec - 1.0
+            share = previous.samples_per_sec / previous.replicas_per_device  # an average replica's samples/s
+            gain = (self.history[-1].samples_per_sec - previous.samples_per_sec) / share
             if gain <= self.threshold:
                 self.chosen = max(k - 1, self.min_replicas)
                 return self.chosen
