@@ -120,16 +120,16 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         "crossbow k=2": {"strategy": lambda: CrossbowStrategy(2), "batch": 1, "lr": 1.0},
         "crossbow k=4": {"strategy": lambda: CrossbowStrategy(4), "batch": 1, "lr": 1.0},
         "crossbow k=8": {"strategy": lambda: CrossbowStrategy(8), "batch": 1, "lr": 1.0},
-        "crossbow auto": {"strategy": lambda: CrossbowStrategy("auto"), "batch": 1, "lr": 1.0},
-        "crossbow auto, progress": {
+        "crossbow auto (progress)": {"strategy": lambda: CrossbowStrategy("auto"), "batch": 1, "lr": 1.0},
+        "crossbow auto, throughput": {
             "strategy": lambda: CrossbowStrategy(1),
-            "callbacks": lambda: [ReplicaAutoTuner(objective="progress", plot=False)],
+            "callbacks": lambda: [ReplicaAutoTuner(objective="throughput", plot=False)],
             "batch": 1,
             "lr": 1.0,
         },
     }
     if quick:
-        keep = ("plain b", f"plain {SCALE}b, lr x{SCALE} + warm-up", "crossbow k=4", "crossbow auto", "crossbow auto, progress")
+        keep = ("plain b", f"plain {SCALE}b, lr x{SCALE} + warm-up", "crossbow k=4", "crossbow auto (progress)", "crossbow auto, throughput")
         configs = {name: configs[name] for name in keep}
     return configs
 

@@ -55,7 +55,7 @@ def tuned_samples_per_second(batch_size: int, max_replicas: int, steps_after: in
     torch.manual_seed(0)
     n = 4000 * batch_size  # more than the tuner and the measurement need: the run stops by max_steps
     data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
-    tuner = ReplicaAutoTuner(max_replicas=max_replicas, plot=False)
+    tuner = ReplicaAutoTuner(objective="throughput", max_replicas=max_replicas, plot=False)
     after = AfterChoice(tuner)
     steps = 0
 

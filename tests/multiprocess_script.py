@@ -95,7 +95,7 @@ def main() -> None:
     if args.kill_at_step is not None:
         callbacks.append(KillAtStep(args.kill_at_step))
     if args.tune:  # threshold 0: it climbs to max_replicas unless a step gets slower; each rank's clock differs
-        callbacks.append(ReplicaAutoTuner(window=1, warmup=0, threshold=0.0, max_replicas=3))
+        callbacks.append(ReplicaAutoTuner("throughput", window=1, warmup=0, threshold=0.0, max_replicas=3))
     k = args.k + (int(os.environ.get("LOCAL_RANK", 0)) if args.mismatch else 0)
     strategy = CrossbowStrategy(replicas_per_device=k, start_method=args.launcher)
     trainer = L.Trainer(
