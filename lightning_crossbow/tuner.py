@@ -153,8 +153,10 @@ class ReplicaAutoTuner(Callback):
             -_slope(self._window_losses) if self.objective == "progress" else float("nan"),
         )
         self.history.append(record)
-        next_k = self._decide_progress(record, strategy) if self.objective == "progress" else self._decide(k, strategy)
-        next_k = int(strategy.broadcast(next_k, src=0))  # rank 0 decides for every rank
+        next_k = k
+        if trainer.is_global_zero:  # rank 0 decides; every rank takes its decision at this same step
+            next_k = self._decide_progress(record, strategy) if self.objective == "progress" else self._decide(k, strategy)
+        next_k, self.chosen, self._phase = strategy.broadcast((next_k, self.chosen, self._phase), src=0)
         if next_k != k:
             strategy.set_replicas_per_device(next_k)
         self._steps_since_change = self._window_steps = self._window_samples = 0
@@ -170,10 +172,14 @@ class ReplicaAutoTuner(Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.history and trainer.is_global_zero:
+        if not self.history:
+            return
+        # trainer.log_dir is a collective under several processes: every rank reads it.
+        path = Path(self.plot) if self.plot else Path(trainer.log_dir or ".") / "replica_tuning.png"
+        if trainer.is_global_zero:
             rank_zero_info(self.summary())
             if self.plot is not False:
-                self.save_plot(Path(self.plot) if self.plot is not None else Path(trainer.log_dir or ".") / "replica_tuning.png")
+                self.save_plot(path)
 
     # ------------------------------------------------------------------------------ policy
     def _decide(self, k: int, strategy: Any) -> int:
