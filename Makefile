@@ -32,7 +32,8 @@ test: env
 	$(PY) -m pytest -q
 
 # Benchmarks run one after another (never two at once on a small machine), then the report:
-# benchmarks/RESULTS.md and benchmarks/plots/*.png from the JSON in benchmarks/out/.
+# benchmarks/RESULTS.md and benchmarks/plots/*.png from the JSON in benchmarks/out/
+# (bench-quick's report goes to benchmarks/out/quick/, leaving the committed results alone).
 bench: env
 	$(PY) benchmarks/hardware.py
 	$(PY) benchmarks/accuracy.py
@@ -47,7 +48,7 @@ bench-quick: env
 	$(PY) benchmarks/throughput.py --quick
 	$(PY) benchmarks/distributed.py --quick
 	$(PY) benchmarks/tuner.py --quick
-	$(PY) benchmarks/report.py
+	$(PY) benchmarks/report.py --quick
 
 clean:
 	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache

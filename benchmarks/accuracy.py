@@ -150,7 +150,7 @@ def train_to_target(workload: Workload, config: dict[str, Any], seed: int, max_e
         accelerator="cpu", devices=1, strategy=config["strategy"](), max_epochs=max_epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[curve, *config.get("callbacks", list)()],
-        num_sanity_val_steps=0, limit_val_batches=0,
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=OUT / "runs",
     )
     trainer.fit(model, train_dataloaders=data.train_dataloader())
     reached = next((point for point in curve.curve if point["test_acc"] >= workload.target), None)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import StepTimer, machine
+from benchmarks.throughput import StepTimer, save_result
 from examples.models import Classifier, conv1d_net
 from lightning_crossbow import CrossbowStrategy
 
@@ -177,13 +176,10 @@ def main() -> None:
         print(f"  {name:<22}{median['samples_per_sec']:>10.0f}{median['step_ms']:>9.2f}"
               f"{median['collectives_per_step']:>18.2f}{median['bytes_per_step']:>12.0f}{comm:>14}")
     print(f"crossbow / ddp samples/s (median of paired runs): {ratio:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/distributed.py" + (" --quick" if args.quick else "")
-    args.out.write_text(json.dumps(
-        {"machine": machine(), "command": command, "repeats": repeats, "timed_steps": steps,
-         "runs": measured, "median": summary, "crossbow_over_ddp": ratio},
-        indent=2,
-    ))
+    save_result(
+        args.out, command, repeats=repeats, timed_steps=steps, runs=measured, median=summary, crossbow_over_ddp=ratio
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ runs back to back, repetitions are interleaved, and ratios are medians of per-re
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import machine, samples_per_second  # noqa: E402
+from benchmarks.throughput import samples_per_second, save_result  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
 
 OUT = Path(__file__).with_name("out")
@@ -67,13 +66,8 @@ def main() -> None:
                     "over_plain_b": statistics.median(x / y for x, y in zip(measured[name], plain_b)),
                     "over_plain_kb": statistics.median(x / y for x, y in zip(measured[name], plain_kb)),
                 })
-    result = {
-        "machine": machine(),
-        "command": "python benchmarks/hardware.py" + (" --quick" if args.quick else ""),
-        "repeats": repeats, "timed_steps": steps, "rows": rows,
-    }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "hardware.json").write_text(json.dumps(result, indent=2))
+    command = "python benchmarks/hardware.py" + (" --quick" if args.quick else "")
+    save_result(OUT / "hardware.json", command, repeats=repeats, timed_steps=steps, rows=rows)
     print(f"{'k':>3} {'b':>3} {'engine':<10} {'samples/s':>10} {'/ plain b':>10} {'/ plain k*b':>12}")
     for r in rows:
         print(f"{r['k']:>3} {r['b']:>3} {r['engine']:<10} {r['samples_per_sec']:>10.0f} {r['over_plain_b']:>10.2f} {r['over_plain_kb']:>12.2f}")

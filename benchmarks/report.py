@@ -1,10 +1,13 @@
 """Writes benchmarks/RESULTS.md and the PNG plots in benchmarks/plots/ from the JSON in benchmarks/out/.
 
-    python benchmarks/report.py      # after hardware.py, accuracy.py, throughput.py, distributed.py
+    python benchmarks/report.py           # after hardware.py, accuracy.py, throughput.py, distributed.py, tuner.py
+    python benchmarks/report.py --quick   # after their --quick runs: benchmarks/out/quick/RESULTS.md, so the
+                                          # committed full results are never overwritten by a quick run
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -16,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-OUT, PLOTS, RESULTS = HERE / "out", HERE / "plots", HERE / "RESULTS.md"
+OUT = HERE / "out"
 
 
 def _load(name: str) -> Optional[dict[str, Any]]:
@@ -37,7 +40,7 @@ def _spread(values: list[Optional[float]], digits: int = 1) -> str:
     return text + (f", {missing} not reached" if missing else "")
 
 
-def hardware_section(data: dict[str, Any]) -> list[str]:
+def hardware_section(data: dict[str, Any], plots: Path) -> list[str]:
     lines = [
         "## 1. Hardware efficiency (samples/s, one process)",
         "",
@@ -63,13 +66,13 @@ def hardware_section(data: dict[str, Any]) -> list[str]:
     axis.set_xticks([1, 2, 4, 8, 16], labels=["1", "2", "4", "8", "16"])
     axis.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(PLOTS / "throughput_vs_k.png", dpi=100)
+    figure.savefig(plots / "throughput_vs_k.png", dpi=100)
     plt.close(figure)
     lines += ["", "![throughput against k](plots/throughput_vs_k.png)", ""]
     return lines
 
 
-def accuracy_section(data: dict[str, Any]) -> list[str]:
+def accuracy_section(data: dict[str, Any], plots: Path) -> list[str]:
     lines = [
         "## 2. Statistical efficiency and time to accuracy",
         "",
@@ -109,13 +112,13 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
             axis.set(xlabel=label, ylabel="test accuracy", title=f"{name} (seed 0)")
         by_epoch.legend(fontsize=7)
         figure.tight_layout()
-        figure.savefig(PLOTS / f"accuracy_{name}.png", dpi=100)
+        figure.savefig(plots / f"accuracy_{name}.png", dpi=100)
         plt.close(figure)
         lines += ["", f"![{name} accuracy](plots/accuracy_{name}.png)", ""]
     return lines
 
 
-def overhead_section(data: dict[str, Any]) -> list[str]:
+def overhead_section(data: dict[str, Any], plots: Path) -> list[str]:
     lines = [
         "## 3. Overhead and the core comparisons",
         "",
@@ -130,7 +133,7 @@ def overhead_section(data: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def distributed_section(data: dict[str, Any]) -> list[str]:
+def distributed_section(data: dict[str, Any], plots: Path) -> list[str]:
     lines = [
         "## 4. Two CPU processes: crossbow against DDP",
         "",
@@ -150,7 +153,7 @@ def distributed_section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def tuner_section(data: dict[str, Any]) -> list[str]:
+def tuner_section(data: dict[str, Any], plots: Path) -> list[str]:
     fixed = {int(k): v for k, v in data["fixed"].items()}
     lines = [
         "## 5. ReplicaAutoTuner against fixed k",
@@ -173,7 +176,11 @@ def tuner_section(data: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    PLOTS.mkdir(exist_ok=True)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    where = OUT / "quick" if parser.parse_args().quick else HERE
+    results, plots = where / "RESULTS.md", where / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
     sections = {
         "hardware": hardware_section,
         "accuracy": accuracy_section,
@@ -193,9 +200,9 @@ def main() -> None:
     ]
     for name, section in sections.items():
         data = loaded[name]
-        lines += section(data) if data else [f"## {name}: not run", ""]
-    RESULTS.write_text("\n".join(lines))
-    print(f"wrote {RESULTS} and {PLOTS}/")
+        lines += section(data, plots) if data else [f"## {name}: not run", ""]
+    results.write_text("\n".join(lines))
+    print(f"wrote {results} and {plots}/")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,12 @@ def machine() -> dict[str, Any]:
     }
 
 
+def save_result(path: Path, command: str, **fields: Any) -> None:
+    """Writes ``fields`` as JSON at ``path``, with the machine and the command that measured them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine(), "command": command, **fields}, indent=2))
+
+
 def configurations(per_replica_batch: int, k: int) -> dict[str, tuple[Any, int, int]]:
     """name -> (strategy factory, replicas, batch size)."""
     return {
@@ -133,13 +139,10 @@ def main() -> None:
     print(f"ratios: {'paired':>45} {'of medians':>11}")
     for name, value in ratios.items():
         print(f"  {name:<48} {value['paired']:.2f} {value['of_medians']:>11.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/throughput.py" + (" --quick" if args.quick else "") + (f" --repeats {args.repeats}" if args.repeats else "")
-    args.out.write_text(json.dumps(
-        {"machine": machine(), "command": command, "repeats": repeats, "timed_steps": steps,
-         "samples_per_sec": measured, "median": median, "ratios": ratios},
-        indent=2,
-    ))
+    save_result(
+        args.out, command, repeats=repeats, timed_steps=steps, samples_per_sec=measured, median=median, ratios=ratios
+    )
 
 
 if __name__ == "__main__":

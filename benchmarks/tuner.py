@@ -11,7 +11,6 @@ samples/s is measured over the steps after the tuner has chosen. Repetitions alt
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import machine, samples_per_second  # noqa: E402
+from benchmarks.throughput import samples_per_second, save_result  # noqa: E402
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
 
@@ -93,17 +92,15 @@ def main() -> None:
         chosen.append(k_chosen)
     best_k = max(ks, key=lambda k: statistics.median(fixed[k]))
     ratio = statistics.median(t / max(fixed[k][i] for k in ks) for i, t in enumerate(tuned))
-    result = {
-        "machine": machine(),
-        "command": "python benchmarks/tuner.py" + (" --quick" if args.quick else ""),
-        "fixed": {str(k): v for k, v in fixed.items()},
-        "tuned": tuned,
-        "chosen": chosen,
-        "best_fixed_k": best_k,
-        "tuned_over_best_fixed": ratio,
-    }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "tuner.json").write_text(json.dumps(result, indent=2))
+    save_result(
+        OUT / "tuner.json",
+        "python benchmarks/tuner.py" + (" --quick" if args.quick else ""),
+        fixed={str(k): v for k, v in fixed.items()},
+        tuned=tuned,
+        chosen=chosen,
+        best_fixed_k=best_k,
+        tuned_over_best_fixed=ratio,
+    )
     for k in ks:
         print(f"fixed k={k}: {statistics.median(fixed[k]):.0f} samples/s")
     print(f"tuned: {statistics.median(tuned):.0f} samples/s, chose k = {chosen}; best fixed k = {best_k};"
