@@ -50,11 +50,13 @@ class AfterChoice(L.Callback):
         self.end = now
 
 
-def tuned_samples_per_second(batch_size: int, max_replicas: int, steps_after: int) -> tuple[float, Optional[int]]:
+def tuned_samples_per_second(
+    batch_size: int, max_replicas: int, steps_after: int, window: int
+) -> tuple[float, Optional[int]]:
     torch.manual_seed(0)
     n = 4000 * batch_size  # more than the tuner and the measurement need: the run stops by max_steps
     data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
-    tuner = ReplicaAutoTuner(objective="throughput", max_replicas=max_replicas, plot=False)
+    tuner = ReplicaAutoTuner(objective="throughput", max_replicas=max_replicas, window=window, plot=False)
     after = AfterChoice(tuner)
     steps = 0
 
@@ -78,6 +80,7 @@ def tuned_samples_per_second(batch_size: int, max_replicas: int, steps_after: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--window", type=int, default=20, help="the tuner's window (steps per measurement)")
     args = parser.parse_args()
     ks, repeats, steps = ([1, 2, 4, 8], 1, 30) if args.quick else (list(range(1, 9)), 3, 60)
     b = 16
@@ -87,14 +90,14 @@ def main() -> None:
     for _ in range(repeats):
         for k in ks:
             fixed[k].append(samples_per_second(CrossbowStrategy(k, engine="fused"), k, b, steps, 5))
-        rate, k_chosen = tuned_samples_per_second(b, max(ks), steps)
+        rate, k_chosen = tuned_samples_per_second(b, max(ks), steps, args.window)
         tuned.append(rate)
         chosen.append(k_chosen)
     best_k = max(ks, key=lambda k: statistics.median(fixed[k]))
     ratio = statistics.median(t / max(fixed[k][i] for k in ks) for i, t in enumerate(tuned))
     save_result(
         OUT / "tuner.json",
-        "python benchmarks/tuner.py" + (" --quick" if args.quick else ""),
+        "python benchmarks/tuner.py" + (" --quick" if args.quick else "") + f" --window {args.window}",
         fixed={str(k): v for k, v in fixed.items()},
         tuned=tuned,
         chosen=chosen,
