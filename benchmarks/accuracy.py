@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import machine  # noqa: E402
+from benchmarks.throughput import bare_trainer, machine  # noqa: E402
 from examples.data import MNIST1D, ArrayDataModule, Digits  # noqa: E402
 from examples.models import Classifier, conv1d_net, mlp  # noqa: E402
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
@@ -146,11 +146,13 @@ def train_to_target(workload: Workload, config: dict[str, Any], seed: int, max_e
     else:
         model = Classifier(workload.net(), lr=lr)
     curve = TestAccuracyCurve(data.test_dataloader(), workload.target)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=config["strategy"](), max_epochs=max_epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = bare_trainer(
+        config["strategy"](),
+        max_epochs=max_epochs,
         callbacks=[curve, *config.get("callbacks", list)()],
-        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=OUT / "runs",
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=OUT / "runs",
     )
     trainer.fit(model, train_dataloaders=data.train_dataloader())
     reached = next((point for point in curve.curve if point["test_acc"] >= workload.target), None)

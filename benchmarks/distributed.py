@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import StepTimer, save_result
+from benchmarks.throughput import StepTimer, bare_trainer, save_result
 from examples.models import Classifier, conv1d_net
 from lightning_crossbow import CrossbowStrategy
 
@@ -121,17 +121,7 @@ def run(strategy: Any, k: int, batch_size: int, steps: int, warmup: int) -> dict
     n = (warmup + steps) * k * batch_size * WORLD_SIZE
     data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
     timer = StepTimer(warmup)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD_SIZE,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer, CountTimedSteps(warmup)],
-    )
+    trainer = bare_trainer(strategy, devices=WORLD_SIZE, callbacks=[timer, CountTimedSteps(warmup)])
     trainer.fit(Classifier(conv1d_net(40, 10), lr=0.01), DataLoader(data, batch_size=batch_size))
     elapsed = timer.end - timer.start
     return {

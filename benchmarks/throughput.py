@@ -50,23 +50,28 @@ class StepTimer(L.Callback):
             self.steps = batch_idx - self.warmup + 1
 
 
-def samples_per_second(strategy: Any, k: int, batch_size: int, steps: int, warmup: int) -> float:
-    """Trains ``warmup + steps`` steps of ``k`` batches of ``batch_size``; returns measured samples/s."""
-    torch.manual_seed(0)
-    n = (warmup + steps) * k * batch_size
-    data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
-    timer = StepTimer(warmup)
-    trainer = L.Trainer(
+def bare_trainer(strategy: Any, devices: int = 1, **kwargs: Any) -> L.Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar or summary: nothing but training is timed."""
+    defaults: dict[str, Any] = dict(
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         strategy=strategy,
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
     )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def samples_per_second(strategy: Any, k: int, batch_size: int, steps: int, warmup: int) -> float:
+    """Trains ``warmup + steps`` steps of ``k`` batches of ``batch_size``; returns measured samples/s."""
+    torch.manual_seed(0)
+    n = (warmup + steps) * k * batch_size
+    data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
+    timer = StepTimer(warmup)
+    trainer = bare_trainer(strategy, callbacks=[timer])
     model = Classifier(conv1d_net(40, 10), lr=0.01)
     trainer.fit(model, DataLoader(data, batch_size=batch_size))
     return timer.steps * k * batch_size / (timer.end - timer.start)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import samples_per_second, save_result  # noqa: E402
+from benchmarks.throughput import bare_trainer, samples_per_second, save_result  # noqa: E402
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
 
@@ -67,11 +67,7 @@ def tuned_samples_per_second(
             if after.start is not None and after.samples >= steps_after * trainer.strategy.samples_per_step:
                 trainer.should_stop = True
 
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=CrossbowStrategy(1), max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[tuner, after, StopAfter()],
-    )
+    trainer = bare_trainer(CrossbowStrategy(1), callbacks=[tuner, after, StopAfter()])
     trainer.fit(Classifier(conv1d_net(40, 10), lr=0.01), DataLoader(data, batch_size=batch_size))
     rate = after.samples / (after.end - after.start) if after.start is not None and after.end > after.start else float("nan")
     return rate, tuner.chosen

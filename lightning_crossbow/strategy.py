@@ -116,10 +116,8 @@ class CrossbowStrategy(DDPStrategy):
         self.auto_replicas = replicas_per_device == "auto"
         if self.auto_replicas:
             replicas_per_device = 1
-        elif isinstance(replicas_per_device, bool) or not isinstance(replicas_per_device, int) or replicas_per_device < 1:
-            raise ValueError(
-                f"replicas_per_device must be a positive int (1, 2, 3, ...) or 'auto', got {replicas_per_device!r}."
-            )
+        else:
+            _check_positive_int("replicas_per_device", replicas_per_device, also=" or 'auto'")
         if alpha is not None and not (_is_real(alpha) and 0.0 < alpha <= 1.0):
             raise ValueError(f"alpha must be a number in (0, 1] or None (meaning 1/K), got {alpha!r}.")
         if not (_is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
@@ -620,9 +618,9 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def _check_positive_int(name: str, value: Any, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int (1, 2, 3, ...), got {value!r}.")
+        raise ValueError(f"{name} must be a positive int (1, 2, 3, ...){also}, got {value!r}.")
 
 
 def _cpu_copy(tensor: Tensor) -> Tensor:

@@ -128,20 +128,31 @@ def reference_sma(
     for epoch in range(epochs):
         per_process = batches_of(epoch)
         for step in range(steps_per_epoch):
-            corrections = [[alpha * (w.detach() - zc) for w, zc in zip(m.parameters(), z)] for m in learners]
-            for learner_index, (model, optimizer) in enumerate(zip(learners, optimizers)):
-                process, j = divmod(learner_index, k)
-                x, y = per_process[process][step * k + j]
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-            with torch.no_grad():
-                for model, c in zip(learners, corrections):
-                    for w, cw in zip(model.parameters(), c):
-                        w -= cw
-                new_z = []
-                for i, (zc, zp) in enumerate(zip(z, z_prev)):
-                    total = sum(c[i] for c in corrections)
-                    new_z.append(zc + total + mu * (zc - zp))
-                z_prev, z = z, new_z
+            step_batches = [
+                per_process[process][step * k + j] for process, j in (divmod(i, k) for i in range(len(learners)))
+            ]
+            z, z_prev = reference_sma_step(learners, optimizers, step_batches, z, z_prev, alpha, mu)
     return z, [[p.detach() for p in m.parameters()] for m in learners]
+
+
+def reference_sma_step(
+    learners: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    batches: Sequence[tuple[Tensor, Tensor]],
+    z: list[Tensor],
+    z_prev: list[Tensor],
+    alpha: float,
+    mu: float,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """One SMA step written out: learner i trains on ``batches[i]``; returns the new (z, z_prev)."""
+    corrections = [[alpha * (w.detach() - zc) for w, zc in zip(m.parameters(), z)] for m in learners]
+    for model, optimizer, (x, y) in zip(learners, optimizers, batches, strict=True):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        for model, c in zip(learners, corrections):
+            for w, cw in zip(model.parameters(), c):
+                w -= cw
+        new_z = [zc + sum(c[i] for c in corrections) + mu * (zc - zp) for i, (zc, zp) in enumerate(zip(z, z_prev))]
+    return new_z, z

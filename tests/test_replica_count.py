@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_crossbow import CrossbowStrategy
-from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, make_net, trainer
+from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, make_net, reference_sma_step, trainer
 
 
 class ChangeReplicas(L.Callback):
@@ -58,20 +58,8 @@ def reference_with_changing_k(
                     learners.append(learner)
                     optimizers.append(optimizer)
             del learners[k:], optimizers[k:]
-            alpha = 1.0 / k
-            corrections = [[alpha * (w.detach() - zc) for w, zc in zip(m.parameters(), z)] for m in learners]
-            for model, optimizer in zip(learners, optimizers):
-                x, y = batches[position]
-                position += 1
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-            with torch.no_grad():
-                for model, c in zip(learners, corrections):
-                    for w, cw in zip(model.parameters(), c):
-                        w -= cw
-                new_z = [zc + sum(c[i] for c in corrections) + mu * (zc - zp) for i, (zc, zp) in enumerate(zip(z, z_prev))]
-                z_prev, z = z, new_z
+            z, z_prev = reference_sma_step(learners, optimizers, batches[position : position + k], z, z_prev, 1.0 / k, mu)
+            position += k
     return z, [[p.detach() for p in m.parameters()] for m in learners]
 
 
