@@ -12,6 +12,7 @@ This module is Lightning glue only. The pieces it wires together:
 
 from __future__ import annotations
 
+import atexit
 import math
 import time
 import warnings
@@ -200,6 +201,11 @@ class CrossbowStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         if self.world_size > 1:
             super().setup_distributed()
+            # Lightning registers this only for NCCL. With gloo, a process group still alive when the
+            # interpreter finalizes can abort the exit (SIGABRT, "terminate called without an active
+            # exception") after a successful fit; destroying it while Python is alive avoids that.
+            atexit.unregister(_destroy_process_group_at_exit)  # once, however many fits this process runs
+            atexit.register(_destroy_process_group_at_exit)
             return
         # One process needs no process group (and no port): collectives are identities.
         reset_seed()
@@ -612,6 +618,11 @@ class CrossbowStrategy(DDPStrategy):
             description="Crossbow, launching processes with torch.multiprocessing spawn",
             start_method="spawn",
         )
+
+
+def _destroy_process_group_at_exit() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _is_real(value: Any) -> bool:
