@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lightning_crossbow import sma
 from lightning_crossbow.accelerator import CrossbowAccelerator
+from lightning_crossbow.algorithms import ALGORITHMS, EASGD, OUTER_LRS, SMA, AlgorithmName, Averaging, ScaledAveraging
 from lightning_crossbow.data import ReplicaBatchLoader
 from lightning_crossbow.engines import ENGINES, AutoEngine, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
@@ -63,30 +64,48 @@ _ONE_OPTIMIZER = (
     "crossbow needs exactly one optimizer from configure_optimizers, got {count}: every replica runs its"
     " own copy of that one optimizer, and crossbow supports automatic optimization only."
 )
+#: Crossbow's central momentum, ``algorithm="sma"``'s default.
+CROSSBOW_CENTRAL_MOMENTUM = 0.9
 _CHECKPOINT_KEY = "crossbow"
 _CHECKPOINT_VERSION = 1
 
 
 class CrossbowStrategy(DDPStrategy):
-    r"""Trains ``k`` replicas of the LightningModule per device, kept together by Crossbow's SMA.
+    r"""Trains ``k`` replicas of the LightningModule per device, kept together by synchronous model averaging.
 
     One optimizer step takes ``k`` consecutive batches of the training DataLoader per process (replica
-    ``j`` the ``j``-th) and, over all ``K = k x world_size`` learners, applies
+    ``j`` the ``j``-th), steps every replica with the user's own optimizer (its own state per replica),
+    and moves the central model z over all ``K = k x world_size`` learners by one of the rules of
+    :mod:`lightning_crossbow.algorithms`. With the default, ``algorithm="scaled_averaging"``:
+
+    .. math::
+
+        d_j = \mathrm{opt\_step}(w_j) - z, \quad
+        z \leftarrow z + \eta \tfrac{1}{K} \textstyle\sum_{j=1}^{K} d_j + \mu (z - z_{prev}), \quad w_j \leftarrow z
+
+    with ``eta`` AdaScale's gain measured on the learners' steps (``outer_lr="adaptive"``). Crossbow's
+    own rule is ``algorithm="sma"``:
 
     .. math::
 
         c_j = \alpha (w_j - z), \quad w_j \leftarrow \mathrm{opt\_step}(w_j) - c_j, \quad
         z \leftarrow z + \textstyle\sum_{j=1}^{K} c_j + \mu (z - z_{prev})
 
-    where ``opt_step`` is the user's own optimizer (its own state per replica) and z, the central
-    model, is the LightningModule's own parameters: validation, checkpoints and callbacks see z.
+    z is the LightningModule's own parameters: validation, checkpoints and callbacks see z.
 
     Args:
         replicas_per_device: ``k``, the number of replicas (learners) per device, a positive int; or
             ``"auto"``: start at 1 and let a :class:`~lightning_crossbow.ReplicaAutoTuner` (added to the
-            trainer's callbacks unless one is there) choose k from measured throughput.
-        alpha: correction strength in (0, 1]; ``None`` means ``1/K``.
-        central_momentum: ``mu`` in [0, 1), momentum of the central model (Crossbow: 0.9).
+            trainer's callbacks unless one is there) choose k from measured training progress.
+        alpha: ``sma`` and ``easgd`` only: correction strength in (0, 1]; ``None`` means ``1/K``.
+        central_momentum: ``mu`` in [0, 1), momentum of the central model; ``None`` means 0.9 for ``sma``
+            (Crossbow's value) and 0 otherwise (``easgd`` has none).
+        algorithm: ``"scaled_averaging"`` (default), ``"sma"`` (Crossbow's rule, as published) or
+            ``"easgd"`` (elastic averaging SGD): see :mod:`lightning_crossbow.algorithms`.
+        outer_lr: ``scaled_averaging`` only: ``"adaptive"`` (measured gain, default), ``"linear"`` (``K``;
+            ``sqrt(K)`` for adaptive optimizers) or a positive number.
+        warmup_epochs: ``scaled_averaging`` only: epochs over which the outer learning rate rises
+            linearly from 1 (default 0: the adaptive gain warms up by itself).
         engine: ``"auto"`` (fused, falling back to sequential when the training_step cannot run under
             vmap), ``"fused"`` (torch.func.vmap over the stacked replicas) or ``"sequential"``.
         reset_on_lr_drop: reset every replica to z when the learning rate drops (see ``LR_DROP_RATIO``).
@@ -101,7 +120,10 @@ class CrossbowStrategy(DDPStrategy):
         self,
         replicas_per_device: Union[int, Literal["auto"]] = 4,
         alpha: Optional[float] = None,
-        central_momentum: float = 0.9,
+        central_momentum: Optional[float] = None,
+        algorithm: AlgorithmName = "scaled_averaging",
+        outer_lr: Union[float, Literal["adaptive", "linear"]] = "adaptive",
+        warmup_epochs: float = 0.0,
         engine: Literal["auto", "fused", "sequential"] = "auto",
         reset_on_lr_drop: bool = True,
         elementwise_optimizers: Iterable[type[Optimizer]] = (),
@@ -119,10 +141,7 @@ class CrossbowStrategy(DDPStrategy):
             replicas_per_device = 1
         else:
             _check_positive_int("replicas_per_device", replicas_per_device, also=" or 'auto'")
-        if alpha is not None and not (_is_real(alpha) and 0.0 < alpha <= 1.0):
-            raise ValueError(f"alpha must be a number in (0, 1] or None (meaning 1/K), got {alpha!r}.")
-        if not (_is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
-            raise ValueError(f"central_momentum must be a number in [0, 1), got {central_momentum!r}.")
+        self.averaging = _make_averaging(algorithm, alpha, central_momentum, outer_lr, warmup_epochs)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}.")
         super().__init__(
@@ -136,8 +155,10 @@ class CrossbowStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.replicas_per_device = replicas_per_device
+        self.algorithm = algorithm
         self._alpha = None if alpha is None else float(alpha)
-        self.central_momentum = float(central_momentum)
+        self.central_momentum = self.averaging.central_momentum
+        self.warmup_epochs = float(warmup_epochs)
         self.engine_name = engine
         self.reset_on_lr_drop = reset_on_lr_drop
         self.elementwise_optimizers = tuple(elementwise_optimizers)
@@ -171,9 +192,9 @@ class CrossbowStrategy(DDPStrategy):
         return self.replicas_per_device * self._batch_size if self._batch_size else None
 
     @property
-    def alpha(self) -> float:
-        """The correction strength in use: the given alpha, or ``1/K``."""
-        return self._alpha if self._alpha is not None else sma.default_alpha(self.num_learners)
+    def alpha(self) -> Optional[float]:
+        """``sma``/``easgd``'s correction strength in use (the given alpha, or ``1/K``); None for other rules."""
+        return self.averaging.alpha_for(self.num_learners) if isinstance(self.averaging, SMA) else None
 
     # ---------------------------------------------------------------------------- environment
     @override
@@ -258,14 +279,14 @@ class CrossbowStrategy(DDPStrategy):
         self._final_state = None
 
     def _check_same_config_on_all_ranks(self) -> None:
-        config = (self.replicas_per_device, self._alpha, self.central_momentum, self.engine_name)
+        config = (self.replicas_per_device, self.algorithm, self._alpha, self.central_momentum, self.engine_name)
         configs = [config]
         if self.world_size > 1:
             configs = [None] * self.world_size
             torch.distributed.all_gather_object(configs, config)
         if any(c != config for c in configs):
             raise RuntimeError(
-                "crossbow: the ranks disagree on (replicas_per_device, alpha, central_momentum, engine):"
+                "crossbow: the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, engine):"
                 f" {configs}. Every process must be configured the same."
             )
 
@@ -423,7 +444,10 @@ class CrossbowStrategy(DDPStrategy):
         if self.samples_per_second is not None:
             metrics["crossbow/samples_per_sec"] = self.samples_per_second
         module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-        module.log("crossbow/replica_divergence", self.stack.divergence(), on_step=True, on_epoch=False, batch_size=1)
+        if isinstance(self.averaging, ScaledAveraging):  # its learners all sit at z between steps
+            module.log("crossbow/outer_lr", self.averaging.last_eta, on_step=True, on_epoch=False, batch_size=1)
+        else:
+            module.log("crossbow/replica_divergence", self.stack.divergence(), on_step=True, on_epoch=False, batch_size=1)
         module.log("crossbow/lr", float(self.optimizers[0].param_groups[0]["lr"]), on_step=True, on_epoch=False, batch_size=1)
 
     @override
@@ -440,9 +464,7 @@ class CrossbowStrategy(DDPStrategy):
             # The optimizer runs this before it updates anything: after the replicas' forward and
             # backward (which may have changed k, see _back_off), the weights are still the pre-step w_j.
             result = closure()
-            alpha = self.alpha
-            for bucket in self.stack.buckets:
-                sma.corrections_(bucket.corrections, bucket.replicas, bucket.center, alpha)
+            self.averaging.before_local_step(self.stack.buckets, self.num_learners)
             return result
 
         output = self.precision_plugin.optimizer_step(
@@ -450,18 +472,22 @@ class CrossbowStrategy(DDPStrategy):
         )
         diverged = self._diverged_replicas()
         with torch.no_grad():
-            for bucket in self.stack.buckets:
-                sma.apply_corrections_(bucket.replicas, bucket.corrections)
-                if diverged is not None:
-                    bucket.corrections[diverged] = 0.0
-                correction_sum = sma.all_reduce_sum_(bucket.corrections.sum(0))
-                sma.update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
+            self.averaging.after_local_step(
+                self.stack.buckets, self.num_learners, self._epochs_done(), optimizer, sma.all_reduce_sum_, diverged
+            )
         if diverged is not None:
             self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
             reset_state_rows_(optimizer, diverged)
         self._buffers_stale = True
         self._measure_throughput()
         return output
+
+    def _epochs_done(self) -> float:
+        """Training epochs completed once this step ends, fractional: the clock of the warm-up."""
+        trainer = self.lightning_module.trainer
+        batches = trainer.num_training_batches
+        done_in_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return trainer.current_epoch + (done_in_epoch / batches if math.isfinite(batches) and batches else 0.0)
 
     def _diverged_replicas(self) -> Optional[Tensor]:
         losses, self._step_losses = self._step_losses, None
@@ -548,9 +574,11 @@ class CrossbowStrategy(DDPStrategy):
             torch.distributed.all_gather_object(ranks, local)
         return {
             "version": _CHECKPOINT_VERSION,
+            "algorithm": self.algorithm,
             "replicas_per_device": self.replicas_per_device,
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
+            "averaging": self.averaging.state_dict(),
             "ranks": ranks,
         }
 
@@ -573,6 +601,8 @@ class CrossbowStrategy(DDPStrategy):
             and state["replicas_per_device"] == self.replicas_per_device
             and state["world_size"] == self.world_size
         )
+        if state is not None and state.get("algorithm", self.algorithm) == self.algorithm:
+            self.averaging.load_state_dict(state.get("averaging", {}))
         if same_layout:
             rank_state = state["ranks"][self.global_rank]
             optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
@@ -618,6 +648,40 @@ class CrossbowStrategy(DDPStrategy):
             description="Crossbow, launching processes with torch.multiprocessing spawn",
             start_method="spawn",
         )
+
+
+def _make_averaging(
+    algorithm: str,
+    alpha: Optional[float],
+    central_momentum: Optional[float],
+    outer_lr: Union[float, str],
+    warmup_epochs: float,
+) -> Averaging:
+    """The rule named ``algorithm``, after checking that every argument given applies to it."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}.")
+    if alpha is not None and not (_is_real(alpha) and 0.0 < alpha <= 1.0):
+        raise ValueError(f"alpha must be a number in (0, 1] or None (meaning 1/K), got {alpha!r}.")
+    if central_momentum is not None and not (_is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
+        raise ValueError(f"central_momentum must be a number in [0, 1) or None, got {central_momentum!r}.")
+    if outer_lr not in OUTER_LRS and not (_is_real(outer_lr) and outer_lr > 0):
+        raise ValueError(f"outer_lr must be 'adaptive', 'linear' or a positive number, got {outer_lr!r}.")
+    if not (_is_real(warmup_epochs) and warmup_epochs >= 0):
+        raise ValueError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
+    if algorithm == "scaled_averaging":
+        if alpha is not None:
+            raise ValueError("alpha applies to algorithm='sma' and 'easgd'; scaled_averaging resets every learner to z.")
+        return ScaledAveraging(outer_lr, central_momentum or 0.0, warmup_epochs)
+    if outer_lr != "adaptive" or warmup_epochs:
+        raise ValueError(f"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not {algorithm!r}.")
+    if algorithm == "easgd":
+        if central_momentum:
+            raise ValueError(
+                f"algorithm='easgd' has no central momentum, got central_momentum={central_momentum!r}:"
+                " EASGD with momentum on z is Crossbow's algorithm='sma'."
+            )
+        return EASGD(alpha)
+    return SMA(alpha, CROSSBOW_CENTRAL_MOMENTUM if central_momentum is None else central_momentum)
 
 
 def _destroy_process_group_at_exit() -> None:

@@ -114,6 +114,27 @@ def reference_sma(
     Returns z and every learner's weights.
     """
 
+    def step(learners, optimizers, step_batches, z, z_prev, epochs_done):  # noqa: ANN001, ANN202
+        return reference_sma_step(learners, optimizers, step_batches, z, z_prev, alpha, mu)
+
+    return reference_run(net, batches, k, epochs, make_opt, step, world_batches)
+
+
+def reference_run(
+    net: nn.Module,
+    batches: Sequence[tuple[Tensor, Tensor]],
+    k: int,
+    epochs: int,
+    make_opt: Callable[[Any], torch.optim.Optimizer],
+    step: Callable[..., tuple[list[Tensor], list[Tensor]]],
+    world_batches: Optional[WorldBatches] = None,
+) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """Runs ``step(learners, optimizers, batches, z, z_prev, epochs_done) -> (z, z_prev)`` over the epochs.
+
+    K separate models and optimizers; learner ``i = r*k + j`` of process ``r`` takes that process's
+    ``j``-th batch of each group of ``k``. Returns z and every learner's weights.
+    """
+
     def batches_of(epoch: int) -> Sequence[Sequence[tuple[Tensor, Tensor]]]:
         if world_batches is None:
             return [batches]
@@ -127,12 +148,64 @@ def reference_sma(
     steps_per_epoch = len(per_process[0]) // k
     for epoch in range(epochs):
         per_process = batches_of(epoch)
-        for step in range(steps_per_epoch):
+        for index in range(steps_per_epoch):
             step_batches = [
-                per_process[process][step * k + j] for process, j in (divmod(i, k) for i in range(len(learners)))
+                per_process[process][index * k + j] for process, j in (divmod(i, k) for i in range(len(learners)))
             ]
-            z, z_prev = reference_sma_step(learners, optimizers, step_batches, z, z_prev, alpha, mu)
+            z, z_prev = step(learners, optimizers, step_batches, z, z_prev, epoch + (index + 1) / steps_per_epoch)
     return z, [[p.detach() for p in m.parameters()] for m in learners]
+
+
+class ReferenceScaledAveraging:
+    """Scaled averaging written out plainly, one step at a time; keeps the gain's moving averages.
+
+    Every learner starts the step at z and takes one step of its own optimizer; ``d_i = w_i - z``;
+    ``z <- z + eta * mean_i d_i + mu (z - z_prev)``. For ``"adaptive"``, eta is AdaScale's gain
+    ``(s2 + g2) / (s2/K + g2)`` clamped to [1, K], from moving averages (weight ``beta``) of the sample
+    variance ``s2 = 1/(K-1) sum_i |d_i - mean d|^2`` and of ``g2 = |mean d|^2 - s2/K``.
+    """
+
+    def __init__(self, outer_lr: Union[str, float], mu: float = 0.0, warmup_epochs: float = 0.0, beta: float = 0.9):
+        self.outer_lr, self.mu, self.warmup_epochs, self.beta = outer_lr, mu, warmup_epochs, beta
+        self.s2 = self.g2 = 0.0
+
+    def eta(self, displacements: list[list[Tensor]], epochs_done: float) -> float:
+        count = len(displacements)
+        if self.outer_lr == "linear":
+            target = float(count)
+        elif self.outer_lr == "adaptive":
+            flat = torch.stack([torch.cat([t.double().flatten() for t in d]) for d in displacements])
+            mean = flat.mean(0)
+            s2 = float(((flat - mean) ** 2).sum()) / (count - 1) if count > 1 else 0.0
+            g2 = float((mean**2).sum()) - s2 / count
+            self.s2 = self.beta * self.s2 + (1 - self.beta) * s2
+            self.g2 = self.beta * self.g2 + (1 - self.beta) * g2
+            g2 = max(self.g2, 0.0)
+            target = 1.0 if self.s2 <= 0 else min(max((self.s2 + g2) / (self.s2 / count + g2), 1.0), float(count))
+        else:
+            target = float(self.outer_lr)
+        if self.warmup_epochs > 0:
+            target = 1 + (target - 1) * min(1.0, epochs_done / self.warmup_epochs)
+        return target
+
+    def __call__(self, learners, optimizers, batches, z, z_prev, epochs_done):  # noqa: ANN001, ANN204
+        with torch.no_grad():
+            for model in learners:
+                for w, zc in zip(model.parameters(), z):
+                    w.copy_(zc)
+        for model, optimizer, (x, y) in zip(learners, optimizers, batches, strict=True):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        with torch.no_grad():
+            displacements = [[w - zc for w, zc in zip(m.parameters(), z)] for m in learners]
+            eta = self.eta_used = self.eta(displacements, epochs_done)
+            mean = [sum(d[i] for d in displacements) / len(learners) for i in range(len(z))]
+            new_z = [zc + eta * m + self.mu * (zc - zp) for zc, m, zp in zip(z, mean, z_prev)]
+            for model in learners:
+                for w, zc in zip(model.parameters(), new_z):
+                    w.copy_(zc)
+        return new_z, z
 
 
 def reference_sma_step(

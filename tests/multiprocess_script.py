@@ -1,7 +1,7 @@
 """Runs crossbow on 2 CPU processes (gloo) and saves what every rank ends with; driven by test_multiprocess.py.
 
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
-       [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune]
+       [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune] [--algorithm A]
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", help="save a checkpoint at every epoch end there")
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--tune", action="store_true", help="let ReplicaAutoTuner change k (real clocks)")
+    parser.add_argument("--algorithm", default="sma", choices=["sma", "easgd", "scaled_averaging"])
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     if args.checkpoint_dir:
@@ -97,7 +98,7 @@ def main() -> None:
     if args.tune:  # threshold 0: it climbs to max_replicas unless a step gets slower; each rank's clock differs
         callbacks.append(ReplicaAutoTuner("throughput", window=1, warmup=0, threshold=0.0, max_replicas=3))
     k = args.k + (int(os.environ.get("LOCAL_RANK", 0)) if args.mismatch else 0)
-    strategy = CrossbowStrategy(replicas_per_device=k, start_method=args.launcher)
+    strategy = CrossbowStrategy(algorithm=args.algorithm, replicas_per_device=k, start_method=args.launcher)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD_SIZE,

@@ -21,13 +21,45 @@ def test_replicas_per_device_must_be_a_positive_int(value) -> None:
 @pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.5, math.nan, "0.5"])
 def test_alpha_must_lie_in_zero_one(value) -> None:
     with pytest.raises(ValueError, match=r"alpha must be a number in \(0, 1\] or None"):
-        CrossbowStrategy(alpha=value)
+        CrossbowStrategy(algorithm="sma", alpha=value)
 
 
 @pytest.mark.parametrize("value", [1.0, -0.1, 2, math.inf])
 def test_central_momentum_must_lie_in_zero_one(value) -> None:
     with pytest.raises(ValueError, match=r"central_momentum must be a number in \[0, 1\)"):
         CrossbowStrategy(central_momentum=value)
+
+
+@pytest.mark.parametrize("value", ["slowmo", "SMA", None])
+def test_unknown_algorithm(value) -> None:
+    with pytest.raises(ValueError, match=r"algorithm must be one of 'sma', 'easgd', 'scaled_averaging', got"):
+        CrossbowStrategy(algorithm=value)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "auto", math.nan, None])
+def test_outer_lr_must_be_adaptive_linear_or_positive(value) -> None:
+    with pytest.raises(ValueError, match=r"outer_lr must be 'adaptive', 'linear' or a positive number, got"):
+        CrossbowStrategy(outer_lr=value)
+
+
+@pytest.mark.parametrize("value", [-1, math.nan, "1"])
+def test_warmup_epochs_must_be_non_negative(value) -> None:
+    with pytest.raises(ValueError, match=r"warmup_epochs must be a number >= 0, got"):
+        CrossbowStrategy(warmup_epochs=value)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"alpha": 0.5}, r"alpha applies to algorithm='sma' and 'easgd'"),
+        ({"algorithm": "sma", "outer_lr": 2.0}, r"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not 'sma'"),
+        ({"algorithm": "easgd", "warmup_epochs": 1}, r"outer_lr and warmup_epochs apply to .*not 'easgd'"),
+        ({"algorithm": "easgd", "central_momentum": 0.9}, r"algorithm='easgd' has no central momentum.*algorithm='sma'"),
+    ],
+)
+def test_arguments_that_do_not_apply_to_the_algorithm(arguments, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        CrossbowStrategy(**arguments)
 
 
 @pytest.mark.parametrize("value", ["streams", "vmap", ""])

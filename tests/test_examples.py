@@ -32,13 +32,16 @@ def _build(*overrides: str):
 
 def test_every_crossbow_argument_is_a_key_under_strategy() -> None:
     cfg = _compose()
-    crossbow_arguments = {"replicas_per_device", "alpha", "central_momentum", "engine", "reset_on_lr_drop"}
+    crossbow_arguments = {
+        "replicas_per_device", "algorithm", "outer_lr", "warmup_epochs", "alpha", "central_momentum", "engine",
+        "reset_on_lr_drop",
+    }
     assert crossbow_arguments <= set(cfg.strategy)
 
 
 def test_overrides_reach_the_strategy_trainer_and_data() -> None:
     trainer, model, data = _build(
-        "strategy.replicas_per_device=3", "strategy.alpha=0.1", "data.batch_size=8", "trainer.max_epochs=2",
+        "strategy.replicas_per_device=3", "strategy.algorithm=sma", "strategy.alpha=0.1", "data.batch_size=8", "trainer.max_epochs=2",
         "model=mlp", "data=digits",
     )
     assert isinstance(trainer.strategy, CrossbowStrategy)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from tests.helpers import make_data, make_net, make_optimizer, reference_sma
+from tests.helpers import ReferenceScaledAveraging, make_data, make_net, make_optimizer, reference_run, reference_sma
 
 SCRIPT = Path(__file__).with_name("multiprocess_script.py")
 
@@ -78,6 +78,23 @@ def test_two_processes_match_the_reference_over_all_learners(tmp_path: Path, lau
         for index, stacked in enumerate(ranks[rank]["replicas"].values()):
             for j in range(k):
                 torch.testing.assert_close(stacked[j], learners[rank * k + j][index])
+
+
+def test_scaled_averaging_on_two_processes_matches_the_reference_over_all_learners(tmp_path: Path) -> None:
+    """The gain is measured over all K = 4 learners of both ranks: one 2-element all-reduce beside the buckets'."""
+    k, epochs = 2, 2
+    result = _run(tmp_path, "popen", str(k), "--epochs", str(epochs), "--algorithm", "scaled_averaging")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
+    rule = ReferenceScaledAveraging("adaptive")
+    z, _ = reference_run(
+        make_net(), [], k, epochs, lambda p: make_optimizer("sgd", p, 0.1), rule, world_batches=_per_rank_batches()
+    )
+    for actual, expected in zip(ranks[0]["z"], z, strict=True):
+        torch.testing.assert_close(actual, expected)
+    assert rule.eta_used > 1.0  # the 4 learners disagree: the measured gain is above plain averaging's
 
 
 def test_resume_on_two_processes_is_exact(tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ def test_changing_k_mid_epoch_keeps_sma_exact(old_k: int, new_k: int, engine: st
     dataset = make_data(num_samples=96)  # 12 batches of 8 per epoch
     model = Classifier()
     change, snapshot = ChangeReplicas(at_step=1, new_k=new_k), ReplicaSnapshot()
-    strategy = CrossbowStrategy(replicas_per_device=old_k, engine=engine)
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=old_k, engine=engine)
     trainer(strategy=strategy, max_epochs=2, callbacks=[change, snapshot]).fit(model, loader(dataset))
 
     # The loader has a length, so Lightning prefetches nothing: the step after the change has the new k.
@@ -91,7 +91,7 @@ def test_changing_k_mid_epoch_keeps_sma_exact(old_k: int, new_k: int, engine: st
 
 def test_changing_k_with_gradient_accumulation_is_refused() -> None:
     change = ChangeReplicas(at_step=1, new_k=4)
-    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), accumulate_grad_batches=2, callbacks=[change])
+    fit = trainer(strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2), accumulate_grad_batches=2, callbacks=[change])
     with pytest.raises(RuntimeError, match="cannot change replicas_per_device with accumulate_grad_batches > 1"):
         fit.fit(Classifier(), loader(make_data(num_samples=96)))
 
@@ -99,7 +99,7 @@ def test_changing_k_with_gradient_accumulation_is_refused() -> None:
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])
 def test_set_replicas_per_device_rejects_bad_values(bad: Any) -> None:
     with pytest.raises(ValueError, match="replicas_per_device must be a positive int"):
-        CrossbowStrategy(replicas_per_device=2).set_replicas_per_device(bad)
+        CrossbowStrategy(algorithm="sma", replicas_per_device=2).set_replicas_per_device(bad)
 
 
 class RunsOutOfMemoryAbove(Classifier):
@@ -120,7 +120,7 @@ def test_out_of_memory_backs_off_and_retries_the_step_losing_no_batch(engine: st
     """From k=4 on a device where 2 fit: two back-offs in the first step, then exactly a k=2 run from the start."""
     dataset = make_data(num_samples=96)
     model, change, snapshot = RunsOutOfMemoryAbove(fits=2), ChangeReplicas(at_step=-1, new_k=0), ReplicaSnapshot()
-    strategy = CrossbowStrategy(replicas_per_device=4, engine=engine)
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=4, engine=engine)
     with pytest.warns(UserWarning, match="out of memory with replicas_per_device=4") as caught:
         trainer(strategy=strategy, max_epochs=2, callbacks=[change, snapshot]).fit(model, loader(dataset))
     assert sum("out of memory" in str(w.message) for w in caught) == 2  # 4 -> 3 -> 2, then it fits

@@ -103,7 +103,7 @@ class _ReplicaSpread(Classifier):
 @pytest.mark.parametrize("reset", [True, False])
 def test_replicas_reset_to_z_when_the_learning_rate_drops(reset: bool) -> None:
     model = _ReplicaSpread(scheduler="step")
-    strategy = CrossbowStrategy(replicas_per_device=2, engine="sequential", reset_on_lr_drop=reset)
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=2, engine="sequential", reset_on_lr_drop=reset)
     trainer(strategy=strategy, max_epochs=3).fit(model, loader(make_data()))
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     assert model.spread[0] == 0.0  # replicas start as copies of z
@@ -255,7 +255,7 @@ def test_dropout_draws_differ_per_replica(p: float) -> None:
     x, y = make_data(num_samples=8)[:]
     same_batches = TensorDataset(x.repeat(2, 1), y.repeat(2))  # both replicas get identical batches
     model, snapshot = _Dropout(p), ReplicaSnapshot()
-    trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="fused"), max_steps=1, callbacks=[snapshot]).fit(
+    trainer(strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2, engine="fused"), max_steps=1, callbacks=[snapshot]).fit(
         model, loader(same_batches)
     )
     weight = snapshot.params["net.0.weight"]
@@ -267,7 +267,7 @@ def test_gradient_clipping_applies_per_replica() -> None:
     dataset = make_data(num_samples=16)
     model, snapshot = Classifier(), ReplicaSnapshot()
     initial = {f"net.{n}": p.detach().clone() for n, p in model.net.named_parameters()}
-    strategy = CrossbowStrategy(replicas_per_device=2)
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=2)
     trainer(strategy=strategy, max_steps=1, gradient_clip_val=0.01, callbacks=[snapshot]).fit(model, loader(dataset))
     # Independent reference: each replica clips its own gradient, then one SGD step (c_j = 0 at step 1).
     for j, (x, y) in enumerate(loader(dataset)):
@@ -282,7 +282,7 @@ def test_accumulate_grad_batches_accumulates_per_replica() -> None:
     dataset = make_data(num_samples=32)  # 4 batches = 2 groups of k=2 = one optimizer step
     model, snapshot = Classifier(), ReplicaSnapshot()
     initial = {f"net.{n}": p.detach().clone() for n, p in model.net.named_parameters()}
-    trainer(strategy=CrossbowStrategy(replicas_per_device=2), accumulate_grad_batches=2, callbacks=[snapshot]).fit(
+    trainer(strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2), accumulate_grad_batches=2, callbacks=[snapshot]).fit(
         model, loader(dataset)
     )
     assert model.trainer.global_step == 1

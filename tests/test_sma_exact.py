@@ -28,7 +28,7 @@ def test_matches_reference_across_epochs(k: int, optimizer: str, alpha, mu: floa
     epochs = 2
     model = Classifier(optimizer=optimizer)
     snapshot = ReplicaSnapshot()
-    strategy = CrossbowStrategy(replicas_per_device=k, alpha=alpha, central_momentum=mu, engine=engine)
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=k, alpha=alpha, central_momentum=mu, engine=engine)
     trainer(strategy=strategy, max_epochs=epochs, callbacks=[snapshot]).fit(model, loader(dataset))
 
     batches = list(loader(dataset))
@@ -60,7 +60,7 @@ def test_alpha_one_over_k_without_momentum_makes_z_the_mean_of_pre_step_replicas
     model = Classifier()
     initial = [p.detach().clone() for p in model.net.parameters()]
     capture = _ReplicasAfterFirstStep()
-    strategy = CrossbowStrategy(replicas_per_device=4, central_momentum=0.0)
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=4, central_momentum=0.0)
     trainer(strategy=strategy, max_steps=2, callbacks=[capture]).fit(model, loader(dataset))
     assert model.trainer.global_step == 2
     for (name, param), before in zip(model.net.named_parameters(), initial):
@@ -86,7 +86,7 @@ def test_tied_weights_stay_one_tensor_per_replica(engine: str) -> None:
     """A parameter shared by two layers is one learner parameter: both layers read replica j's copy."""
     dataset = make_data(num_samples=32)
     model = _TiedClassifier()
-    strategy = CrossbowStrategy(replicas_per_device=2, engine=engine)
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=2, engine=engine)
     trainer(strategy=strategy, max_epochs=1).fit(model, loader(dataset))
     assert model.net[0].weight is model.net[2].weight
 

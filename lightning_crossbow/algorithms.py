@@ -1,0 +1,250 @@
+r"""How the learners and the central model z are kept together around one local optimizer step.
+
+Every rule has the same shape. For ``K`` learners in all (``k`` per process), it forms one
+correction ``c_j`` per learner; the corrections of all processes are summed (one all-reduce per
+flat bucket) and move z with a heavy-ball term:
+
+.. math::
+
+    z_{next} = z + \sum_{j=1}^{K} c_j + \mu (z - z_{prev})
+
+What differs is how ``c_j`` is formed and what becomes of the learner ``w_j``:
+
+- :class:`SMA`, Crossbow's synchronous model averaging (Koliousis et al., VLDB 2019):
+  ``c_j = alpha (w_j - z)`` from the weights *before* the local step, ``w_j <- opt_step(w_j) - c_j``.
+  Learners stay apart; each is pulled towards z by ``alpha`` per step.
+- :class:`EASGD`, synchronous elastic averaging SGD (Zhang, Choromanska and LeCun, NeurIPS 2015): the
+  same rule with ``mu = 0`` (Crossbow's SMA is EASGD plus momentum on the centre).
+- :class:`ScaledAveraging`, model averaging with an outer learning rate (the outer step of SlowMo,
+  Wang et al., ICLR 2020, and DiLoCo, with one local step between synchronisations): every learner
+  starts the step at z, ``d_j = opt_step(w_j) - z``, ``c_j = (eta / K) d_j``, then ``w_j <- z_next``.
+  With ``eta = 1, mu = 0`` this is plain averaging: the user's optimizer on the mean gradient of ``K``
+  batches, a ``K`` times larger batch at an unscaled learning rate, which needs up to ``K`` times the
+  epochs. ``eta`` scales the averaged step only, so no learner ever takes a larger step on its own
+  small batch.
+
+The classes work on :class:`~lightning_crossbow.replicas.FlatBucket` s and reach other processes only
+through the ``all_reduce_sum`` function the strategy hands them.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop
+
+from lightning_crossbow.replicas import FlatBucket
+from lightning_crossbow.sma import apply_corrections_, corrections_, default_alpha, update_center_
+
+ALGORITHMS = ("sma", "easgd", "scaled_averaging")
+AlgorithmName = Literal["sma", "easgd", "scaled_averaging"]
+OUTER_LRS = ("adaptive", "linear")
+AllReduceSum = Callable[[Tensor], Tensor]
+
+#: Optimizers that divide by a running gradient scale: for them the square-root rule applies.
+ADAPTIVE_OPTIMIZERS: tuple[type[Optimizer], ...] = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta)
+
+
+def gain_ratio(noise: float, signal: float, num_learners: int) -> float:
+    r"""AdaScale's gain (Johnson et al., ICML 2020): ``(sigma^2 + |g|^2) / (sigma^2 / K + |g|^2)``, in ``[1, K]``.
+
+    How many times further the mean of ``K`` independent steps may go than one step: ``K`` when the
+    steps are pure noise (``|g|^2 = 0``), 1 when they all agree (``sigma^2 = 0``).
+    """
+    signal = max(signal, 0.0)
+    if noise <= 0.0:
+        return 1.0
+    return min(max((noise + signal) / (noise / num_learners + signal), 1.0), float(num_learners))
+
+
+def noise_and_signal(mean_square: float, square_of_mean: float, num_learners: int) -> tuple[float, float]:
+    r"""Unbiased ``(sigma^2, |g|^2)`` from ``K`` i.i.d. vectors ``d_j = g + noise_j``.
+
+    With ``m = (1/K) sum_j |d_j|^2`` and ``s = |(1/K) sum_j d_j|^2``:
+    ``sigma^2 = K/(K-1) (m - s)`` and ``|g|^2 = s - sigma^2 / K``.
+    """
+    noise = num_learners / (num_learners - 1) * (mean_square - square_of_mean)
+    return noise, square_of_mean - noise / num_learners
+
+
+def warmed_up(target: float, epochs_done: float, warmup_epochs: float) -> float:
+    """``1 + (target - 1) min(1, epochs_done / warmup_epochs)``: linear in training progress from 1 to ``target``."""
+    if warmup_epochs <= 0:
+        return target
+    return 1.0 + (target - 1.0) * min(1.0, epochs_done / warmup_epochs)
+
+
+def sum_corrections(bucket: FlatBucket, all_reduce_sum: AllReduceSum, dropped: Optional[Tensor]) -> Tensor:
+    """``sum_j c_j`` over the learners of every process (``c_j`` in ``bucket.corrections``), ``dropped`` rows left out."""
+    if dropped is not None:
+        bucket.corrections[dropped] = 0.0
+    return all_reduce_sum(bucket.corrections.sum(0))
+
+
+class Averaging(ABC):
+    """One rule. ``before_local_step`` runs after backward, while the learners hold their pre-step weights;
+    ``after_local_step`` after the user's optimizer stepped every learner, and moves z."""
+
+    #: ``mu``, the momentum of z.
+    central_momentum: float
+    #: Whether every learner is reset to z after each step.
+    learners_stay_at_center = False
+
+    def before_local_step(self, buckets: Sequence[FlatBucket], num_learners: int) -> None:
+        """Nothing by default."""
+
+    @abstractmethod
+    def after_local_step(
+        self,
+        buckets: Sequence[FlatBucket],
+        num_learners: int,
+        epochs_done: float,
+        optimizer: Optimizer,
+        all_reduce_sum: AllReduceSum,
+        dropped: Optional[Tensor] = None,
+    ) -> None:
+        """``epochs_done``: training progress once this step ends, in (fractional) epochs."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class SMA(Averaging):
+    r"""Crossbow's rule: ``c_j = alpha (w_j - z)`` before the step, ``w_j <- opt_step(w_j) - c_j``.
+
+    ``alpha = None`` means ``1/K``: with ``mu = 0`` z then moves to the mean of the pre-step learners.
+    """
+
+    def __init__(self, alpha: Optional[float] = None, central_momentum: float = 0.9) -> None:
+        self.alpha = alpha
+        self.central_momentum = central_momentum
+
+    def alpha_for(self, num_learners: int) -> float:
+        return self.alpha if self.alpha is not None else default_alpha(num_learners)
+
+    def before_local_step(self, buckets: Sequence[FlatBucket], num_learners: int) -> None:
+        alpha = self.alpha_for(num_learners)
+        for bucket in buckets:
+            corrections_(bucket.corrections, bucket.replicas, bucket.center, alpha)
+
+    def after_local_step(
+        self,
+        buckets: Sequence[FlatBucket],
+        num_learners: int,
+        epochs_done: float,
+        optimizer: Optimizer,
+        all_reduce_sum: AllReduceSum,
+        dropped: Optional[Tensor] = None,
+    ) -> None:
+        for bucket in buckets:
+            apply_corrections_(bucket.replicas, bucket.corrections)
+            correction_sum = sum_corrections(bucket, all_reduce_sum, dropped)
+            update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
+
+
+class EASGD(SMA):
+    """Synchronous elastic averaging SGD: :class:`SMA` without momentum on the centre (``mu = 0``)."""
+
+    def __init__(self, alpha: Optional[float] = None) -> None:
+        super().__init__(alpha, central_momentum=0.0)
+
+
+class ScaledAveraging(Averaging):
+    r"""``d_j = opt_step(w_j) - z``, ``z <- z + eta_t (1/K) sum_j d_j + mu (z - z_prev)``, ``w_j <- z``.
+
+    ``outer_lr`` sets ``eta``:
+
+    - ``"adaptive"`` (default): AdaScale's gain ratio (:func:`gain_ratio`), measured on the learners' own
+      steps. Each step gives ``K`` independent steps ``d_j`` from the same z; their spread and their
+      mean give unbiased estimates of the noise ``sigma^2`` and the signal ``|g|^2`` of one step
+      (:func:`noise_and_signal`), averaged over steps with weight ``smoothing`` on the past, and
+      ``eta = (sigma^2 + |g|^2) / (sigma^2 / K + |g|^2)``, in ``[1, K]``. While the small-batch steps are
+      mostly noise, ``eta`` approaches ``K`` (the linear scaling rule); while they agree, 1 (plain
+      averaging), where a longer step would only overshoot. Measured on steps rather than gradients,
+      it covers whatever the optimizer does to a gradient (momentum, adaptive scaling). Early in
+      training the steps agree, so ``eta`` starts low and rises by itself: a warm-up that is measured.
+    - ``"linear"``: ``eta = K`` (``sqrt(K)`` for adaptive optimizers, the square-root rule);
+    - a number: that ``eta``.
+
+    ``eta_t`` also warms up linearly from 1 over the first ``warmup_epochs`` (:func:`warmed_up`; 0: none).
+    Costs beyond SMA: one squared norm per learner and one 2-element all-reduce per step (``"adaptive"``).
+    """
+
+    learners_stay_at_center = True
+
+    def __init__(
+        self,
+        outer_lr: Union[float, Literal["adaptive", "linear"]] = "adaptive",
+        central_momentum: float = 0.0,
+        warmup_epochs: float = 0.0,
+        smoothing: float = 0.9,
+    ) -> None:
+        self.outer_lr = outer_lr
+        self.central_momentum = central_momentum
+        self.warmup_epochs = warmup_epochs
+        self.smoothing = smoothing
+        #: Moving averages of (sigma^2, |g|^2) for ``"adaptive"``, and how many steps they hold.
+        self.noise = 0.0
+        self.signal = 0.0
+        self.steps_measured = 0
+        #: The last outer learning rate used (logged as ``crossbow/outer_lr``).
+        self.last_eta = 1.0
+
+    def _measure(
+        self, buckets: Sequence[FlatBucket], sums: Sequence[Tensor], all_reduce_sum: AllReduceSum, dropped: Optional[Tensor]
+    ) -> None:
+        """Folds this step's ``(sigma^2, |g|^2)``, from the steps ``d_j`` in ``bucket.corrections``, into the averages."""
+        local = torch.zeros(2, dtype=torch.float64, device=buckets[0].center.device)
+        for bucket in buckets:
+            local[0] += bucket.corrections.double().square().sum()
+        local[1] = buckets[0].corrections.shape[0] - (0 if dropped is None else int(dropped.sum()))
+        square_sum, learners = all_reduce_sum(local).tolist()  # one 2-element all-reduce
+        if learners < 2:
+            return
+        square_of_mean = sum(float(total.double().square().sum()) for total in sums) / learners**2
+        noise, signal = noise_and_signal(square_sum / learners, square_of_mean, int(learners))
+        beta = self.smoothing
+        self.noise = beta * self.noise + (1 - beta) * noise
+        self.signal = beta * self.signal + (1 - beta) * signal
+        self.steps_measured += 1
+
+    def after_local_step(
+        self,
+        buckets: Sequence[FlatBucket],
+        num_learners: int,
+        epochs_done: float,
+        optimizer: Optimizer,
+        all_reduce_sum: AllReduceSum,
+        dropped: Optional[Tensor] = None,
+    ) -> None:
+        sums = []
+        for bucket in buckets:
+            corrections_(bucket.corrections, bucket.replicas, bucket.center, 1.0)  # d_j
+            sums.append(sum_corrections(bucket, all_reduce_sum, dropped))
+        if self.outer_lr == "adaptive":
+            self._measure(buckets, sums, all_reduce_sum, dropped)
+            target = gain_ratio(self.noise, self.signal, num_learners)  # the averages' common bias cancels
+        elif self.outer_lr == "linear":
+            target = math.sqrt(num_learners) if isinstance(optimizer, ADAPTIVE_OPTIMIZERS) else float(num_learners)
+        else:
+            target = float(self.outer_lr)
+        self.last_eta = eta = warmed_up(target, epochs_done, self.warmup_epochs)
+        for bucket, correction_sum in zip(buckets, sums):
+            update_center_(bucket.center, bucket.center_prev, correction_sum.mul_(eta / num_learners), self.central_momentum)
+            bucket.replicas.copy_(bucket.center.expand_as(bucket.replicas))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise": self.noise, "signal": self.signal, "steps_measured": self.steps_measured, "eta": self.last_eta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.noise, self.signal, self.steps_measured = state["noise"], state["signal"], state["steps_measured"]
+            self.last_eta = state["eta"]

@@ -1,0 +1,129 @@
+"""The averaging rules beside Crossbow's SMA: scaled averaging (the default) and EASGD, value for value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_crossbow import CrossbowStrategy
+from lightning_crossbow.algorithms import gain_ratio, noise_and_signal, warmed_up
+from tests.helpers import (
+    Classifier,
+    ReferenceScaledAveraging,
+    ReplicaSnapshot,
+    loader,
+    make_data,
+    make_net,
+    make_optimizer,
+    reference_run,
+    reference_sma,
+    trainer,
+)
+
+
+# ------------------------------------------------------------------------------ the math alone
+def test_noise_and_signal_are_the_sample_variance_and_the_debiased_squared_mean() -> None:
+    generator = torch.Generator().manual_seed(0)
+    steps = torch.randn(5, 100, generator=generator, dtype=torch.float64) + 0.3
+    mean = steps.mean(0)
+    variance = float(((steps - mean) ** 2).sum(1).sum()) / 4  # sum over coordinates of the per-coordinate variance
+    noise, signal = noise_and_signal(float((steps**2).sum(1).mean()), float((mean**2).sum()), 5)
+    assert noise == pytest.approx(variance)
+    assert signal == pytest.approx(float((mean**2).sum()) - variance / 5)
+
+
+def test_gain_is_k_for_pure_noise_and_one_when_every_step_agrees() -> None:
+    assert gain_ratio(noise=1.0, signal=0.0, num_learners=8) == 8.0
+    assert gain_ratio(noise=0.0, signal=1.0, num_learners=8) == 1.0
+    assert gain_ratio(noise=1.0, signal=-0.5, num_learners=8) == 8.0  # a negative estimate means no signal
+    assert gain_ratio(noise=1.0, signal=1.0, num_learners=8) == pytest.approx(2.0 / (1.0 / 8 + 1.0))
+
+
+def test_warm_up_is_linear_in_epochs() -> None:
+    assert warmed_up(8.0, 0.0, 2.0) == 1.0
+    assert warmed_up(8.0, 1.0, 2.0) == 4.5
+    assert warmed_up(8.0, 3.0, 2.0) == 8.0
+    assert warmed_up(8.0, 0.0, 0.0) == 8.0
+
+
+# ------------------------------------------------------------------ inside Lightning, exactly
+SCALED_CASES = [
+    # k, optimizer, outer_lr, central_momentum, warmup_epochs, engine
+    (4, "sgd", "adaptive", None, 0.0, "fused"),
+    (2, "sgd", "adaptive", 0.5, 1.0, "sequential"),
+    (4, "sgd", "linear", None, 0.5, "fused"),
+    (4, "sgd_nesterov_wd", 2.5, None, 0.0, "sequential"),
+    (4, "adam", "adaptive", None, 0.0, "fused"),
+]
+
+
+@pytest.mark.parametrize(("k", "optimizer", "outer_lr", "mu", "warmup", "engine"), SCALED_CASES)
+def test_scaled_averaging_matches_reference(k: int, optimizer: str, outer_lr, mu, warmup: float, engine: str) -> None:
+    dataset = make_data(num_samples=80)  # 10 batches of 8; k=4 skips 2 per epoch, so the warm-up counts 2 steps/epoch
+    epochs = 3
+    model, snapshot = Classifier(optimizer=optimizer), ReplicaSnapshot()
+    strategy = CrossbowStrategy(
+        replicas_per_device=k, outer_lr=outer_lr, central_momentum=mu, warmup_epochs=warmup, engine=engine
+    )
+    trainer(strategy=strategy, max_epochs=epochs, callbacks=[snapshot]).fit(model, loader(dataset))
+
+    rule = ReferenceScaledAveraging(outer_lr, mu=mu or 0.0, warmup_epochs=warmup)
+    z, learners = reference_run(
+        make_net(), list(loader(dataset)), k, epochs, lambda params: make_optimizer(optimizer, params, 0.1), rule
+    )
+    for (name, param), expected in zip(model.net.named_parameters(), z, strict=True):
+        torch.testing.assert_close(param.detach(), expected, msg=f"z differs in {name}")
+    for stacked in snapshot.params.values():  # every learner sits at z between steps
+        assert all(torch.equal(stacked[j], stacked[0]) for j in range(k))
+    assert strategy.averaging.last_eta == pytest.approx(rule.eta_used)
+
+
+def test_one_learner_with_scaled_averaging_is_plain_lightning() -> None:
+    dataset = make_data(num_samples=48)
+    plain, crossbow = Classifier(), Classifier()
+    trainer(max_epochs=2).fit(plain, loader(dataset))
+    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=2).fit(crossbow, loader(dataset))
+    for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_easgd_is_sma_without_central_momentum() -> None:
+    dataset = make_data(num_samples=64)
+    model, snapshot = Classifier(), ReplicaSnapshot()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=4, algorithm="easgd"), max_epochs=2, callbacks=[snapshot]).fit(
+        model, loader(dataset)
+    )
+    z, learners = reference_sma(
+        make_net(), list(loader(dataset)), 4, 2, lambda params: make_optimizer("sgd", params, 0.1), alpha=0.25, mu=0.0
+    )
+    for param, expected in zip(model.net.parameters(), z, strict=True):
+        torch.testing.assert_close(param.detach(), expected)
+    for index, stacked in enumerate(snapshot.params.values()):
+        for j in range(4):
+            torch.testing.assert_close(stacked[j], learners[j][index])
+
+
+def test_resume_keeps_the_measured_gain_and_the_trajectory(tmp_path: Path) -> None:
+    dataset = make_data(num_samples=64)
+    straight = Classifier()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=4), max_epochs=4).fit(straight, loader(dataset))
+
+    first = Classifier()
+    half = trainer(strategy=CrossbowStrategy(replicas_per_device=4), max_epochs=2)
+    half.fit(first, loader(dataset))
+    half.save_checkpoint(tmp_path / "half.ckpt")
+    resumed = Classifier(seed=1)  # other initial weights: everything must come from the checkpoint
+    strategy = CrossbowStrategy(replicas_per_device=4)
+    trainer(strategy=strategy, max_epochs=4).fit(resumed, loader(dataset), ckpt_path=tmp_path / "half.ckpt")
+    assert strategy.averaging.steps_measured == 4 * 2  # 2 steps per epoch, none measured twice or lost
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_outer_learning_rate_is_logged() -> None:
+    model = Classifier()
+    t = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1, log_every_n_steps=1)
+    t.fit(model, loader(make_data()))
+    assert 1.0 <= float(t.logged_metrics["crossbow/outer_lr"]) <= 2.0
