@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional, Union
 
@@ -41,10 +42,23 @@ from torch.optim import Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer
 from lightning_crossbow.replicas import FlatBucket
 from lightning_crossbow.sma import apply_corrections_, corrections_, default_alpha, update_center_
 
-ALGORITHMS = ("sma", "easgd", "scaled_averaging")
-AlgorithmName = Literal["sma", "easgd", "scaled_averaging"]
+ALGORITHMS = ("scaled_averaging", "sma", "easgd", "gossip")
+AlgorithmName = Literal["scaled_averaging", "sma", "easgd", "gossip"]
 OUTER_LRS = ("adaptive", "linear")
 AllReduceSum = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class StepContext:
+    """What a rule may use at one optimizer step."""
+
+    num_learners: int  #: K, over all processes
+    step: int  #: optimizer steps taken before this one
+    epochs_done: float  #: training progress once this step ends, in (fractional) epochs
+    optimizer: Optimizer  #: the user's optimizer (over the stacked learners)
+    all_reduce_sum: AllReduceSum  #: sums a tensor over processes, in place
+    pull_rows: Callable[[Tensor, int], Tensor]  #: see :func:`lightning_crossbow.collectives.pull_rows`
+    dropped: Optional[Tensor] = None  #: rows of learners whose step diverged (left out), or None
 
 #: Optimizers that divide by a running gradient scale: for them the square-root rule applies.
 ADAPTIVE_OPTIMIZERS: tuple[type[Optimizer], ...] = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta)
@@ -92,8 +106,8 @@ class Averaging(ABC):
 
     #: ``mu``, the momentum of z.
     central_momentum: float
-    #: Whether every learner is reset to z after each step.
-    learners_stay_at_center = False
+    #: Whether z is not kept during training but formed, when read, as the mean of the learners.
+    center_is_learner_mean = False
 
     def before_local_step(self, buckets: Sequence[FlatBucket], num_learners: int) -> None:
         """Nothing by default."""
@@ -102,13 +116,9 @@ class Averaging(ABC):
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
-        num_learners: int,
-        epochs_done: float,
-        optimizer: Optimizer,
-        all_reduce_sum: AllReduceSum,
-        dropped: Optional[Tensor] = None,
+        step: StepContext,
     ) -> None:
-        """``epochs_done``: training progress once this step ends, in (fractional) epochs."""
+        """Forms the corrections and moves z (or the learners)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -138,15 +148,11 @@ class SMA(Averaging):
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
-        num_learners: int,
-        epochs_done: float,
-        optimizer: Optimizer,
-        all_reduce_sum: AllReduceSum,
-        dropped: Optional[Tensor] = None,
+        step: StepContext,
     ) -> None:
         for bucket in buckets:
             apply_corrections_(bucket.replicas, bucket.corrections)
-            correction_sum = sum_corrections(bucket, all_reduce_sum, dropped)
+            correction_sum = sum_corrections(bucket, step.all_reduce_sum, step.dropped)
             update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
 
 
@@ -177,8 +183,6 @@ class ScaledAveraging(Averaging):
     ``eta_t`` also warms up linearly from 1 over the first ``warmup_epochs`` (:func:`warmed_up`; 0: none).
     Costs beyond SMA: one squared norm per learner and one 2-element all-reduce per step (``"adaptive"``).
     """
-
-    learners_stay_at_center = True
 
     def __init__(
         self,
@@ -219,24 +223,22 @@ class ScaledAveraging(Averaging):
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
-        num_learners: int,
-        epochs_done: float,
-        optimizer: Optimizer,
-        all_reduce_sum: AllReduceSum,
-        dropped: Optional[Tensor] = None,
+        step: StepContext,
     ) -> None:
         sums = []
         for bucket in buckets:
             corrections_(bucket.corrections, bucket.replicas, bucket.center, 1.0)  # d_j
-            sums.append(sum_corrections(bucket, all_reduce_sum, dropped))
+            sums.append(sum_corrections(bucket, step.all_reduce_sum, step.dropped))
+        num_learners = step.num_learners
         if self.outer_lr == "adaptive":
-            self._measure(buckets, sums, all_reduce_sum, dropped)
+            self._measure(buckets, sums, step.all_reduce_sum, step.dropped)
             target = gain_ratio(self.noise, self.signal, num_learners)  # the averages' common bias cancels
         elif self.outer_lr == "linear":
-            target = math.sqrt(num_learners) if isinstance(optimizer, ADAPTIVE_OPTIMIZERS) else float(num_learners)
+            adaptive = isinstance(step.optimizer, ADAPTIVE_OPTIMIZERS)
+            target = math.sqrt(num_learners) if adaptive else float(num_learners)
         else:
             target = float(self.outer_lr)
-        self.last_eta = eta = warmed_up(target, epochs_done, self.warmup_epochs)
+        self.last_eta = eta = warmed_up(target, step.epochs_done, self.warmup_epochs)
         for bucket, correction_sum in zip(buckets, sums):
             update_center_(bucket.center, bucket.center_prev, correction_sum.mul_(eta / num_learners), self.central_momentum)
             bucket.replicas.copy_(bucket.center.expand_as(bucket.replicas))
@@ -248,3 +250,48 @@ class ScaledAveraging(Averaging):
         if state:
             self.noise, self.signal, self.steps_measured = state["noise"], state["signal"], state["steps_measured"]
             self.last_eta = state["eta"]
+
+
+class Gossip(Averaging):
+    r"""Gossip averaging (Jin et al., 2016): each learner averages with one peer per step; no central model.
+
+    .. math::
+
+        w_i \leftarrow \tfrac{1}{2} \big(\mathrm{opt\_step}(w_i) + \mathrm{opt\_step}(w_{(i + s_t) \bmod K})\big),
+        \qquad s_t = 1 + (t \bmod (K - 1))
+
+    The peer shift ``s_t`` cycles through every other learner, so information reaches all ``K``
+    learners within ``K - 1`` steps. The mixing is doubly stochastic: the learners' mean, which is z,
+    moves exactly as if they were averaged, but no process waits for all others; across processes a
+    step sends and receives point to point (:func:`~lightning_crossbow.collectives.pull_rows`),
+    never all-reduces. z is therefore only formed (one all-reduce) at every epoch's end and when read
+    (validation, checkpoints, test, predict): ``center_is_learner_mean``. With ``K = 1`` a learner has no peer and trains alone. A
+    learner whose step diverged takes its peer's weights, and no learner mixes in a diverged peer.
+    """
+
+    central_momentum = 0.0
+    center_is_learner_mean = True
+
+    @staticmethod
+    def shift(step: int, num_learners: int) -> int:
+        """``s_t = 1 + (t mod (K - 1))``; 0 for a single learner."""
+        return 0 if num_learners < 2 else 1 + step % (num_learners - 1)
+
+    def after_local_step(
+        self,
+        buckets: Sequence[FlatBucket],
+        step: StepContext,
+    ) -> None:
+        shift = self.shift(step.step, step.num_learners)
+        if shift == 0:
+            return
+        for bucket in buckets:
+            rows = bucket.replicas
+            peers = step.pull_rows(rows, shift)
+            own_ok, peer_ok = rows.isfinite().all(1, keepdim=True), peers.isfinite().all(1, keepdim=True)
+            if step.dropped is not None:
+                own_ok &= ~step.dropped.unsqueeze(1)
+            if bool(own_ok.all()) and bool(peer_ok.all()):
+                rows.add_(peers).mul_(0.5)
+            else:  # a diverged learner takes its peer's weights, and nobody mixes in a diverged peer
+                rows.copy_(torch.where(own_ok & peer_ok, (rows + peers) * 0.5, torch.where(own_ok, rows, peers)))

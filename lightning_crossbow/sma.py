@@ -13,16 +13,13 @@ the correction strength and ``mu`` the central momentum. One SMA step over ``K``
 
 The sum is a sum, not a mean: with ``alpha = 1/K`` and ``mu = 0``, ``z_next`` is the mean of the
 pre-step replicas. Every function works on whole flat buffers, so one step costs a handful of
-kernels whatever the number of parameter tensors, and the cross-process reduction is one
-all-reduce per buffer.
+kernels whatever the number of parameter tensors, and the cross-process reduction
+(:func:`lightning_crossbow.collectives.all_reduce_sum_`) is one all-reduce per buffer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 
@@ -53,10 +50,3 @@ def update_center_(center: Tensor, center_prev: Tensor, correction_sum: Tensor, 
     velocity = center - center_prev
     center_prev.copy_(center)
     center.add_(correction_sum).add_(velocity, alpha=momentum)
-
-
-def all_reduce_sum_(tensor: Tensor, group: Optional[Any] = None) -> Tensor:
-    """Sums ``tensor`` over all processes in place (a no-op without an initialised process group)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor

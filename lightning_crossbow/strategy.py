@@ -39,9 +39,19 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_crossbow import sma
 from lightning_crossbow.accelerator import CrossbowAccelerator
-from lightning_crossbow.algorithms import ALGORITHMS, EASGD, OUTER_LRS, SMA, AlgorithmName, Averaging, ScaledAveraging
+from lightning_crossbow.algorithms import (
+    ALGORITHMS,
+    EASGD,
+    OUTER_LRS,
+    SMA,
+    AlgorithmName,
+    Averaging,
+    Gossip,
+    ScaledAveraging,
+    StepContext,
+)
+from lightning_crossbow.collectives import all_reduce_sum_, pull_rows
 from lightning_crossbow.data import ReplicaBatchLoader
 from lightning_crossbow.engines import ENGINES, AutoEngine, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
@@ -168,7 +178,7 @@ class CrossbowStrategy(DDPStrategy):
         self._log_capture = LogCapture()
         self._step_losses: Optional[Tensor] = None
         self._last_lrs: Optional[list[float]] = None
-        self._buffers_stale = False
+        self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
         self._step_started: Optional[float] = None
         self.samples_per_second: Optional[float] = None
@@ -420,6 +430,8 @@ class CrossbowStrategy(DDPStrategy):
 
     def _resize_replicas(self, replicas_per_device: int) -> None:
         assert self.stack is not None and self.engine is not None
+        if self.averaging.center_is_learner_mean:
+            self.sync_center()  # new learners start from z, the learners' mean (every rank resizes together)
         old_leaves = dict(self.stack.params)
         self.stack.resize_(replicas_per_device)
         resize_stacked_state_(
@@ -471,16 +483,32 @@ class CrossbowStrategy(DDPStrategy):
             optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
         )
         diverged = self._diverged_replicas()
+        step = StepContext(
+            num_learners=self.num_learners,
+            step=self.lightning_module.trainer.global_step,
+            epochs_done=self._epochs_done(),
+            optimizer=optimizer,
+            all_reduce_sum=all_reduce_sum_,
+            pull_rows=pull_rows,
+            dropped=diverged,
+        )
         with torch.no_grad():
-            self.averaging.after_local_step(
-                self.stack.buckets, self.num_learners, self._epochs_done(), optimizer, sma.all_reduce_sum_, diverged
-            )
+            self.averaging.after_local_step(self.stack.buckets, step)
         if diverged is not None:
-            self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
+            if not self.averaging.center_is_learner_mean:  # (gossip's learners took their peers' weights)
+                self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
             reset_state_rows_(optimizer, diverged)
-        self._buffers_stale = True
+        self._center_stale = True
+        if self.averaging.center_is_learner_mean and self._ends_an_epoch():
+            self.sync_center()  # epoch-end callbacks and on_train_end read z directly
         self._measure_throughput()
         return output
+
+    def _ends_an_epoch(self) -> bool:
+        """Whether this step is the last of its epoch, or of training (``max_steps``)."""
+        trainer = self.lightning_module.trainer
+        done_in_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return done_in_epoch >= trainer.num_training_batches or trainer.global_step + 1 == trainer.max_steps
 
     def _epochs_done(self) -> float:
         """Training epochs completed once this step ends, fractional: the clock of the warm-up."""
@@ -519,39 +547,44 @@ class CrossbowStrategy(DDPStrategy):
                 self.accelerator.samples_per_second = self.samples_per_second
 
     # ----------------------------------------------------------------- z's buffers and hooks
-    def sync_center_buffers(self) -> None:
-        """z's buffers (BatchNorm statistics, ...) <- the mean over all replicas of all processes."""
-        if self.stack is None or not self._buffers_stale:
+    def sync_center(self) -> None:
+        """z's buffers (BatchNorm statistics, ...) <- the mean over all replicas of all processes; and z's
+        parameters too for rules that keep no z during training (gossip). A no-op when nothing changed."""
+        if self.stack is None or not self._center_stale:
             return
 
         def all_reduce_mean(tensor: Tensor) -> Tensor:
-            return sma.all_reduce_sum_(tensor).div_(self.world_size)
+            return all_reduce_sum_(tensor).div_(self.world_size)
 
-        self.stack.sync_center_buffers_(self.lightning_module, all_reduce_mean)
-        self._buffers_stale = False
+        with torch.no_grad():
+            if self.averaging.center_is_learner_mean:
+                for bucket in self.stack.buckets:
+                    bucket.center.copy_(all_reduce_mean(bucket.replicas.mean(0)))
+            self.stack.sync_center_buffers_(self.lightning_module, all_reduce_mean)
+        self._center_stale = False
 
     @override
     def on_validation_start(self) -> None:
-        self.sync_center_buffers()
+        self.sync_center()
 
     @override
     def on_test_start(self) -> None:
-        self.sync_center_buffers()
+        self.sync_center()
 
     @override
     def on_predict_start(self) -> None:
-        self.sync_center_buffers()
+        self.sync_center()
 
     @override
     def on_train_end(self) -> None:
-        self.sync_center_buffers()
+        self.sync_center()
         # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.
         self._final_state = self._strategy_state() if self.stack is not None else None
 
     # ---------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.sync_center_buffers()
+        self.sync_center()
         return super().lightning_module_state_dict()
 
     @override
@@ -608,7 +641,7 @@ class CrossbowStrategy(DDPStrategy):
             optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
             self.stack.load_state_dict(rank_state["stack"])
             self._last_lrs = state["last_lrs"]
-            self._buffers_stale = True
+            self._center_stale = True
             return
         for group, saved_group in zip(optimizer.param_groups, saved_optimizer["param_groups"], strict=True):
             group.update({key: value for key, value in saved_group.items() if key != "params"})
@@ -674,6 +707,10 @@ def _make_averaging(
         return ScaledAveraging(outer_lr, central_momentum or 0.0, warmup_epochs)
     if outer_lr != "adaptive" or warmup_epochs:
         raise ValueError(f"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not {algorithm!r}.")
+    if algorithm == "gossip":
+        if alpha is not None or central_momentum:
+            raise ValueError("alpha and central_momentum do not apply to algorithm='gossip' (it keeps no central model).")
+        return Gossip()
     if algorithm == "easgd":
         if central_momentum:
             raise ValueError(

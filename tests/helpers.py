@@ -229,3 +229,27 @@ def reference_sma_step(
                 w -= cw
         new_z = [zc + sum(c[i] for c in corrections) + mu * (zc - zp) for i, (zc, zp) in enumerate(zip(z, z_prev))]
     return new_z, z
+
+
+class ReferenceGossip:
+    """Gossip written out plainly: each learner steps, then ``w_i <- (w_i + w_{(i+s) mod K}) / 2`` with the
+    shift ``s = 1 + (t mod (K-1))`` at step ``t``; z is the learners' mean."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def __call__(self, learners, optimizers, batches, z, z_prev, epochs_done):  # noqa: ANN001, ANN204
+        for model, optimizer, (x, y) in zip(learners, optimizers, batches, strict=True):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        count = len(learners)
+        shift = 1 + self.t % (count - 1)
+        self.t += 1
+        with torch.no_grad():
+            old = [[w.clone() for w in m.parameters()] for m in learners]
+            for i, model in enumerate(learners):
+                for w, mine, peer in zip(model.parameters(), old[i], old[(i + shift) % count]):
+                    w.copy_((mine + peer) / 2)
+            mean = [sum(ws) / count for ws in zip(*(list(m.parameters()) for m in learners))]
+        return mean, z

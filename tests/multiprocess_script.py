@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", help="save a checkpoint at every epoch end there")
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--tune", action="store_true", help="let ReplicaAutoTuner change k (real clocks)")
-    parser.add_argument("--algorithm", default="sma", choices=["sma", "easgd", "scaled_averaging"])
+    parser.add_argument("--algorithm", default="sma", choices=["sma", "easgd", "scaled_averaging", "gossip"])
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     if args.checkpoint_dir:

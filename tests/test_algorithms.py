@@ -11,6 +11,7 @@ from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.algorithms import gain_ratio, noise_and_signal, warmed_up
 from tests.helpers import (
     Classifier,
+    ReferenceGossip,
     ReferenceScaledAveraging,
     ReplicaSnapshot,
     loader,
@@ -103,6 +104,23 @@ def test_easgd_is_sma_without_central_momentum() -> None:
     for index, stacked in enumerate(snapshot.params.values()):
         for j in range(4):
             torch.testing.assert_close(stacked[j], learners[j][index])
+
+
+@pytest.mark.parametrize(("k", "engine"), [(4, "fused"), (3, "sequential")])
+def test_gossip_matches_reference(k: int, engine: str) -> None:
+    dataset = make_data(num_samples=96)
+    model, snapshot = Classifier(), ReplicaSnapshot()
+    strategy = CrossbowStrategy(replicas_per_device=k, algorithm="gossip", engine=engine)
+    trainer(strategy=strategy, max_epochs=2, callbacks=[snapshot]).fit(model, loader(dataset))
+    z, learners = reference_run(
+        make_net(), list(loader(dataset)), k, 2, lambda params: make_optimizer("sgd", params, 0.1), ReferenceGossip()
+    )
+    for param, expected in zip(model.net.parameters(), z, strict=True):  # z = the learners' mean, formed at the end
+        torch.testing.assert_close(param.detach(), expected)
+    for index, stacked in enumerate(snapshot.params.values()):
+        for j in range(k):
+            torch.testing.assert_close(stacked[j], learners[j][index])
+    assert not all(torch.equal(stacked[0], stacked[1]) for stacked in snapshot.params.values())  # learners differ
 
 
 def test_resume_keeps_the_measured_gain_and_the_trajectory(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ def test_central_momentum_must_lie_in_zero_one(value) -> None:
 
 @pytest.mark.parametrize("value", ["slowmo", "SMA", None])
 def test_unknown_algorithm(value) -> None:
-    with pytest.raises(ValueError, match=r"algorithm must be one of 'sma', 'easgd', 'scaled_averaging', got"):
+    with pytest.raises(ValueError, match=r"algorithm must be one of 'scaled_averaging', 'sma', 'easgd', 'gossip', got"):
         CrossbowStrategy(algorithm=value)
 
 
@@ -55,6 +55,8 @@ def test_warmup_epochs_must_be_non_negative(value) -> None:
         ({"algorithm": "sma", "outer_lr": 2.0}, r"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not 'sma'"),
         ({"algorithm": "easgd", "warmup_epochs": 1}, r"outer_lr and warmup_epochs apply to .*not 'easgd'"),
         ({"algorithm": "easgd", "central_momentum": 0.9}, r"algorithm='easgd' has no central momentum.*algorithm='sma'"),
+        ({"algorithm": "gossip", "alpha": 0.5}, r"alpha and central_momentum do not apply to algorithm='gossip'"),
+        ({"algorithm": "gossip", "outer_lr": "linear"}, r"outer_lr and warmup_epochs apply to .*not 'gossip'"),
     ],
 )
 def test_arguments_that_do_not_apply_to_the_algorithm(arguments, message) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from tests.helpers import ReferenceScaledAveraging, make_data, make_net, make_optimizer, reference_run, reference_sma
+from tests.helpers import ReferenceGossip, ReferenceScaledAveraging, make_data, make_net, make_optimizer, reference_run, reference_sma
 
 SCRIPT = Path(__file__).with_name("multiprocess_script.py")
 
@@ -95,6 +95,23 @@ def test_scaled_averaging_on_two_processes_matches_the_reference_over_all_learne
     for actual, expected in zip(ranks[0]["z"], z, strict=True):
         torch.testing.assert_close(actual, expected)
     assert rule.eta_used > 1.0  # the 4 learners disagree: the measured gain is above plain averaging's
+
+
+def test_gossip_on_two_processes_matches_the_reference_over_all_learners(tmp_path: Path) -> None:
+    """K = 4 learners over 2 ranks: the shifts 1, 2, 3 mix within a rank, across ranks, and both at once."""
+    k, epochs = 2, 2
+    result = _run(tmp_path, "popen", str(k), "--epochs", str(epochs), "--algorithm", "gossip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    z, learners = reference_run(
+        make_net(), [], k, epochs, lambda p: make_optimizer("sgd", p, 0.1), ReferenceGossip(), world_batches=_per_rank_batches()
+    )
+    for rank in range(2):
+        for actual, expected in zip(ranks[rank]["z"], z, strict=True):
+            torch.testing.assert_close(actual, expected)
+        for index, stacked in enumerate(ranks[rank]["replicas"].values()):
+            for j in range(k):
+                torch.testing.assert_close(stacked[j], learners[rank * k + j][index])
 
 
 def test_resume_on_two_processes_is_exact(tmp_path: Path) -> None:

@@ -1,0 +1,58 @@
+"""The two cross-process operations the averaging rules need, as functions over stacked learner rows.
+
+Learner ``i = r * k + j`` is row ``j`` of process ``r``'s ``(k, N)`` stack; ``K = k x world_size``.
+Without an initialised process group (one process) both are local.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum_(tensor: Tensor, group: Optional[Any] = None) -> Tensor:
+    """Sums ``tensor`` over all processes in place (a no-op without an initialised process group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def pull_rows(rows: Tensor, shift: int) -> Tensor:
+    """``out[j] = learner (r*k + j + shift) mod K``'s row: every learner receives the row ``shift`` ahead.
+
+    Across processes, a rank receives two contiguous blocks, from ranks ``r + q`` and ``r + q + 1``
+    (``q, m = divmod(shift mod K, k)``), and sends the matching blocks the other way: point-to-point,
+    at most two sends and two receives per rank, and none for blocks that stay on the rank.
+    """
+    rank, world = _world()
+    k = rows.shape[0]
+    total = k * world
+    q, m = divmod(shift % total, k)
+    if world == 1:
+        return torch.roll(rows, -m, dims=0)
+    out = torch.empty_like(rows)
+    # (rows of `out` to fill, source rank, rows of the source) and (rows to send, destination rank).
+    receives = [(slice(0, k - m), (rank + q) % world, slice(m, k)), (slice(k - m, k), (rank + q + 1) % world, slice(0, m))]
+    sends = [(slice(m, k), (rank - q) % world), (slice(0, m), (rank - q - 1) % world)]
+    operations = []
+    for (target, source, source_rows), (sent_rows, destination) in zip(receives, sends):
+        if target.start == target.stop:
+            continue
+        if source == rank:
+            out[target] = rows[source_rows]
+            continue
+        operations.append(dist.P2POp(dist.irecv, out[target], source))
+        operations.append(dist.P2POp(dist.isend, rows[sent_rows].contiguous(), destination))
+    if operations:
+        for request in dist.batch_isend_irecv(operations):
+            request.wait()
+    return out
