@@ -8,11 +8,14 @@ Two workloads, each with the learning rate a user tuned for batch b on one learn
 
 Configurations: plain Lightning at b (the tuned setting); plain at 8b with the same lr; plain at 8b
 with the linear scaling rule and a 5-epoch linear warm-up (Goyal et al. 2017); crossbow k=2, 4, 8
-at b with the lr unchanged; crossbow with ``replicas_per_device="auto"``. No per-k re-tuning.
+at b with the lr unchanged (the default rule: scaled averaging with the measured gain); at k=8,
+every other rule and outer learning rate (Crossbow's SMA, EASGD, gossip, plain averaging, the
+linear and square-root rules) and the gain's smoothing; crossbow with ``replicas_per_device="auto"``.
+No per-k re-tuning of the user's hyper-parameters.
 Test accuracy is measured after every epoch; evaluation time is not counted as training time.
 
     python benchmarks/accuracy.py                 # both workloads, 3 seeds
-    python benchmarks/accuracy.py --quick         # 1 seed, 4 configurations, fewer epochs
+    python benchmarks/accuracy.py --quick         # 1 seed, 5 configurations, fewer epochs
 """
 
 from __future__ import annotations
@@ -110,6 +113,16 @@ class TestAccuracyCurve(L.Callback):
             trainer.should_stop = True
 
 
+def _crossbow(k: int, smoothing: Optional[float] = None, **kwargs: Any) -> Callable[[], CrossbowStrategy]:
+    def make() -> CrossbowStrategy:
+        strategy = CrossbowStrategy(k, **kwargs)
+        if smoothing is not None:  # the adaptive gain's moving-average weight (0.9 by default)
+            strategy.averaging.smoothing = smoothing
+        return strategy
+
+    return make
+
+
 def configurations(quick: bool) -> dict[str, dict[str, Any]]:
     """name -> how to train: strategy factory, batch multiple, lr multiple, warm-up epochs."""
     plain = lambda: "auto"  # noqa: E731
@@ -117,27 +130,31 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         "plain b": {"strategy": plain, "batch": 1, "lr": 1.0},
         f"plain {SCALE}b, same lr": {"strategy": plain, "batch": SCALE, "lr": 1.0},
         f"plain {SCALE}b, lr x{SCALE} + warm-up": {"strategy": plain, "batch": SCALE, "lr": float(SCALE), "warmup_epochs": 5},
-        "crossbow k=2": {"strategy": lambda: CrossbowStrategy(2), "batch": 1, "lr": 1.0},
-        "crossbow k=4": {"strategy": lambda: CrossbowStrategy(4), "batch": 1, "lr": 1.0},
-        "crossbow k=8": {"strategy": lambda: CrossbowStrategy(8), "batch": 1, "lr": 1.0},
-        "crossbow k=8, easgd": {"strategy": lambda: CrossbowStrategy(8, algorithm="easgd"), "batch": 1, "lr": 1.0},
-        "crossbow k=8, scaled averaging, adaptive": {"strategy": lambda: CrossbowStrategy(8, algorithm="scaled_averaging"), "batch": 1, "lr": 1.0},
-        "crossbow k=8, scaled averaging, adaptive from steps": {"strategy": lambda: CrossbowStrategy(8, algorithm="scaled_averaging", _gain_from="steps"), "batch": 1, "lr": 1.0},
-        "crossbow k=8, scaled averaging, linear, 1-epoch warm-up": {"strategy": lambda: CrossbowStrategy(8, algorithm="scaled_averaging", outer_lr="linear", warmup_epochs=1), "batch": 1, "lr": 1.0},
-        "crossbow k=8, scaled averaging, outer lr 2.83": {"strategy": lambda: CrossbowStrategy(8, algorithm="scaled_averaging", outer_lr=8**0.5), "batch": 1, "lr": 1.0},
-        "crossbow k=8, scaled averaging, linear": {"strategy": lambda: CrossbowStrategy(8, algorithm="scaled_averaging", outer_lr="linear"), "batch": 1, "lr": 1.0},
-        "crossbow k=8, scaled averaging, linear, 5-epoch warm-up": {"strategy": lambda: CrossbowStrategy(8, algorithm="scaled_averaging", outer_lr="linear", warmup_epochs=5), "batch": 1, "lr": 1.0},
-        "crossbow k=8, averaging, outer lr 1": {"strategy": lambda: CrossbowStrategy(8, algorithm="scaled_averaging", outer_lr=1.0), "batch": 1, "lr": 1.0},
-        "crossbow auto (progress)": {"strategy": lambda: CrossbowStrategy("auto"), "batch": 1, "lr": 1.0},
-        "crossbow auto, throughput": {
+        "crossbow k=2": {"strategy": _crossbow(2), "batch": 1, "lr": 1.0},
+        "crossbow k=4": {"strategy": _crossbow(4), "batch": 1, "lr": 1.0},
+        "crossbow k=8": {"strategy": _crossbow(8), "batch": 1, "lr": 1.0},
+        "crossbow k=8, gain smoothing 0.5": {"strategy": _crossbow(8, smoothing=0.5), "batch": 1, "lr": 1.0},
+        "crossbow k=8, gain smoothing 0.99": {"strategy": _crossbow(8, smoothing=0.99), "batch": 1, "lr": 1.0},
+        "crossbow k=8, outer lr linear (8)": {"strategy": _crossbow(8, outer_lr="linear"), "batch": 1, "lr": 1.0},
+        "crossbow k=8, outer lr linear + 5-epoch warm-up": {
+            "strategy": _crossbow(8, outer_lr="linear", warmup_epochs=5), "batch": 1, "lr": 1.0
+        },
+        "crossbow k=8, outer lr sqrt(8)": {"strategy": _crossbow(8, outer_lr=SCALE**0.5), "batch": 1, "lr": 1.0},
+        "crossbow k=8, outer lr 1 (plain averaging)": {"strategy": _crossbow(8, outer_lr=1.0), "batch": 1, "lr": 1.0},
+        "crossbow k=8, sma (Crossbow's rule)": {"strategy": _crossbow(8, algorithm="sma"), "batch": 1, "lr": 1.0},
+        "crossbow k=8, easgd": {"strategy": _crossbow(8, algorithm="easgd"), "batch": 1, "lr": 1.0},
+        "crossbow k=8, gossip": {"strategy": _crossbow(8, algorithm="gossip"), "batch": 1, "lr": 1.0},
+        "crossbow auto (throughput)": {"strategy": lambda: CrossbowStrategy("auto"), "batch": 1, "lr": 1.0},
+        "crossbow auto, progress": {
             "strategy": lambda: CrossbowStrategy(1),
-            "callbacks": lambda: [ReplicaAutoTuner(objective="throughput", plot=False)],
+            "callbacks": lambda: [ReplicaAutoTuner(objective="progress", plot=False)],
             "batch": 1,
             "lr": 1.0,
         },
     }
     if quick:
-        keep = ("plain b", f"plain {SCALE}b, lr x{SCALE} + warm-up", "crossbow k=4", "crossbow auto (progress)", "crossbow auto, throughput")
+        keep = ("plain b", f"plain {SCALE}b, lr x{SCALE} + warm-up", "crossbow k=8", "crossbow k=8, sma (Crossbow's rule)",
+                "crossbow auto (throughput)")
         configs = {name: configs[name] for name in keep}
     return configs
 

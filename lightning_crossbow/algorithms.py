@@ -208,12 +208,13 @@ class ScaledAveraging(Averaging):
         """Folds this step's ``(sigma^2, |g|^2)``, from the steps ``d_j`` in ``bucket.corrections``, into the averages."""
         local = torch.zeros(2, dtype=torch.float64, device=buckets[0].center.device)
         for bucket in buckets:
-            local[0] += bucket.corrections.double().square().sum()
+            flat = bucket.corrections.view(-1)
+            local[0] += torch.dot(flat, flat)
         local[1] = buckets[0].corrections.shape[0] - (0 if dropped is None else int(dropped.sum()))
         square_sum, learners = all_reduce_sum(local).tolist()  # one 2-element all-reduce
         if learners < 2:
             return
-        square_of_mean = sum(float(total.double().square().sum()) for total in sums) / learners**2
+        square_of_mean = sum(float(torch.dot(total, total)) for total in sums) / learners**2
         noise, signal = noise_and_signal(square_sum / learners, square_of_mean, int(learners))
         beta = self.smoothing
         self.noise = beta * self.noise + (1 - beta) * noise
@@ -227,7 +228,7 @@ class ScaledAveraging(Averaging):
     ) -> None:
         sums = []
         for bucket in buckets:
-            corrections_(bucket.corrections, bucket.replicas, bucket.center, 1.0)  # d_j
+            torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
             sums.append(sum_corrections(bucket, step.all_reduce_sum, step.dropped))
         num_learners = step.num_learners
         if self.outer_lr == "adaptive":

@@ -128,7 +128,7 @@ class CrossbowStrategy(DDPStrategy):
 
     def __init__(
         self,
-        replicas_per_device: Union[int, Literal["auto"]] = 4,
+        replicas_per_device: Union[int, Literal["auto"]] = "auto",
         alpha: Optional[float] = None,
         central_momentum: Optional[float] = None,
         algorithm: AlgorithmName = "scaled_averaging",
@@ -673,12 +673,14 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
-            "crossbow", cls, description="Crossbow: k replicas per device with synchronous model averaging"
+            "crossbow",
+            cls,
+            description="Crossbow: k replicas per device with synchronous model averaging, k tuned while training",
         )
         strategy_registry.register(
             "crossbow_spawn",
             cls,
-            description="Crossbow, launching processes with torch.multiprocessing spawn",
+            description="Crossbow, launching processes with torch.multiprocessing spawn, k tuned while training",
             start_method="spawn",
         )
 

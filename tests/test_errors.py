@@ -125,8 +125,10 @@ def test_a_declared_elementwise_optimizer_is_accepted() -> None:
 
 def test_strategy_and_accelerator_names_are_registered() -> None:
     t = L.Trainer(strategy="crossbow", logger=False)
-    assert isinstance(t.strategy, CrossbowStrategy)
-    assert L.Trainer(strategy="crossbow_spawn", logger=False).strategy._start_method == "spawn"
+    assert isinstance(t.strategy, CrossbowStrategy) and t.strategy.auto_replicas  # k is tuned while training
+    assert t.strategy.algorithm == "scaled_averaging"
+    spawn = L.Trainer(strategy="crossbow_spawn", logger=False).strategy
+    assert spawn._start_method == "spawn" and spawn.auto_replicas
     t = L.Trainer(strategy="crossbow", accelerator="crossbow", devices=1, logger=False)
     assert isinstance(t.accelerator, CrossbowAccelerator)
     assert t.strategy.root_device.type == ("cuda" if torch.cuda.is_available() else "cpu")
