@@ -32,12 +32,13 @@ def _fmt(value: Optional[float], digits: int = 1) -> str:
 
 
 def _spread(values: list[Optional[float]], digits: int = 1) -> str:
+    """`` (min-max[, n not reached])`` over the runs that reached the target; empty when none did."""
     reached = [v for v in values if v is not None]
     if not reached:
         return ""
     missing = len(values) - len(reached)
     text = f"{min(reached):.{digits}f}-{max(reached):.{digits}f}"
-    return text + (f", {missing} not reached" if missing else "")
+    return f" ({text}" + (f", {missing} not reached)" if missing else ")")
 
 
 def hardware_section(data: dict[str, Any], plots: Path) -> list[str]:
@@ -108,9 +109,9 @@ def accuracy_section(data: dict[str, Any], plots: Path) -> list[str]:
             ratio = f"{row['median_seconds'] / plain:.2f}" if plain and row["median_seconds"] else "-"
             epoch_ratio = f"{row['median_epochs'] / plain_epochs:.2f}" if plain_epochs and row["median_epochs"] else "-"
             lines.append(
-                f"| {config_name} | {_fmt(row['median_epochs'], 0)} ({_spread(epochs, 0)}) | {epoch_ratio}"
+                f"| {config_name} | {_fmt(row['median_epochs'], 0)} {_spread(epochs, 0)} | {epoch_ratio}"
                 f" | {_fmt(row['median_seconds'])}"
-                f" ({_spread(seconds)}) | {ratio} | {row['reached']}/{len(row['runs'])} | {row['median_best_acc']:.3f} |"
+                f" {_spread(seconds)} | {ratio} | {row['reached']}/{len(row['runs'])} | {row['median_best_acc']:.3f} |"
             )
         figure, (by_time, by_epoch) = plt.subplots(1, 2, figsize=(11, 4))
         for config_name, row in configs.items():

@@ -1,38 +1,39 @@
 r"""How the learners and the central model z are kept together around one local optimizer step.
 
-Every rule has the same shape. For ``K`` learners in all (``k`` per process), it forms one
-correction ``c_j`` per learner; the corrections of all processes are summed (one all-reduce per
-flat bucket) and move z with a heavy-ball term:
+Every learner ``w_j`` first takes one step of the user's optimizer on its own batch
+(``opt_step``). Three rules then form one correction ``c_j`` per learner; the corrections of all
+processes are summed (one all-reduce per flat bucket) and move z with a heavy-ball term:
 
 .. math::
 
     z_{next} = z + \sum_{j=1}^{K} c_j + \mu (z - z_{prev})
 
-What differs is how ``c_j`` is formed and what becomes of the learner ``w_j``:
-
+- :class:`ScaledAveraging` (the default), model averaging with an outer learning rate (the outer step
+  of SlowMo, Wang et al., ICLR 2020, and DiLoCo, with one local step between synchronisations):
+  every learner starts the step at z, ``d_j = opt_step(w_j) - z``, ``c_j = (eta / K) d_j``, then
+  ``w_j <- z_next``. With ``eta = 1, mu = 0`` this is plain averaging: the user's optimizer on the mean
+  gradient of ``K`` batches, a ``K`` times larger batch at an unscaled learning rate, which needs up
+  to ``K`` times the epochs. ``eta`` lengthens the averaged step only, so no learner ever takes a
+  larger step on its own small batch; by default it is AdaScale's gain, measured.
 - :class:`SMA`, Crossbow's synchronous model averaging (Koliousis et al., VLDB 2019):
   ``c_j = alpha (w_j - z)`` from the weights *before* the local step, ``w_j <- opt_step(w_j) - c_j``.
   Learners stay apart; each is pulled towards z by ``alpha`` per step.
 - :class:`EASGD`, synchronous elastic averaging SGD (Zhang, Choromanska and LeCun, NeurIPS 2015): the
   same rule with ``mu = 0`` (Crossbow's SMA is EASGD plus momentum on the centre).
-- :class:`ScaledAveraging`, model averaging with an outer learning rate (the outer step of SlowMo,
-  Wang et al., ICLR 2020, and DiLoCo, with one local step between synchronisations): every learner
-  starts the step at z, ``d_j = opt_step(w_j) - z``, ``c_j = (eta / K) d_j``, then ``w_j <- z_next``.
-  With ``eta = 1, mu = 0`` this is plain averaging: the user's optimizer on the mean gradient of ``K``
-  batches, a ``K`` times larger batch at an unscaled learning rate, which needs up to ``K`` times the
-  epochs. ``eta`` scales the averaged step only, so no learner ever takes a larger step on its own
-  small batch.
+
+:class:`Gossip` (Jin et al., 2016) keeps no z during training: each learner averages with one peer
+per step, point to point, and z is the learners' mean, formed when it is read.
 
 The classes work on :class:`~lightning_crossbow.replicas.FlatBucket` s and reach other processes only
-through the ``all_reduce_sum`` function the strategy hands them.
+through the functions of :class:`StepContext`.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import torch
