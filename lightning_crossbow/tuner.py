@@ -5,7 +5,8 @@ excluded; a step's time runs from the previous step's end to its own, and interv
 validation or an epoch boundary are not counted.
 
 - ``objective="throughput"`` (Crossbow's policy): while the last replica added raised samples/s by more
-  than ``threshold`` of a replica's share, add another; otherwise step back one and hold. The gain of
+  than ``threshold`` of a replica's share, add another; otherwise step back one and hold (after
+  measuring k-1 and k once more, and taking the gain over both windows of each). The gain of
   going from k-1 to k replicas is ``(R_k - R_{k-1}) / (R_{k-1} / (k-1))``: 1 when throughput scales
   linearly, whatever k. (A plain relative gain ``R_k / R_{k-1} - 1`` is at most ``1/(k-1)`` even with
   perfect scaling, so a 10% threshold would stop near k=10 on any device, and noise stops it far earlier.)
@@ -105,7 +106,8 @@ class ReplicaAutoTuner(Callback):
         # (training seconds, mean loss over replicas), in runs of consecutive steps: a skipped interval
         # (validation, an epoch's end) starts a new run.
         self._window_losses: list[list[tuple[float, float]]] = []
-        self._phase: Literal["before", "trial", "after"] = "before"  # the A-B-A of objective="progress"
+        #: "progress": the A-B-A ("before", "trial", "after"); "throughput": re-measuring before it holds.
+        self._phase: Literal["before", "trial", "after", "recheck_lower", "recheck_upper"] = "before"
         self._before: Optional[TuningRecord] = None
         self._trial: Optional[TuningRecord] = None
 
@@ -183,12 +185,27 @@ class ReplicaAutoTuner(Callback):
 
     # ------------------------------------------------------------------------------ policy
     def _decide(self, k: int, strategy: Any) -> int:
-        """Crossbow's rule: one more replica while the last one paid off by more than ``threshold``."""
-        previous = self.history[-2] if len(self.history) >= 2 else None
-        if previous is not None and previous.replicas_per_device == k - 1:
-            share = previous.samples_per_sec / previous.replicas_per_device  # an average replica's samples/s
-            gain = (self.history[-1].samples_per_sec - previous.samples_per_sec) / share
+        """Crossbow's rule: one more replica while the last one paid off by more than ``threshold``.
+
+        A window that says "stop" is checked before the tuner holds for good: k-1 and k are measured
+        once more and the gain is taken over both windows of each, so one noisy window (a page fault,
+        another process) neither stops the climb early nor settles on a k that the second look refutes.
+        """
+        if self._phase == "recheck_lower":  # this window re-measured k-1; now k again
+            self._phase = "recheck_upper"
+            return k + 1
+        confirming = self._phase == "recheck_upper"
+        self._phase = "before"
+        lower = [r for r in self.history if r.replicas_per_device == k - 1][-2 if confirming else -1 :]
+        if lower and (confirming or self.history[-2:-1] == lower):
+            upper = [r for r in self.history if r.replicas_per_device == k][-2 if confirming else -1 :]
+            lower_rate = sum(r.samples_per_sec for r in lower) / len(lower)
+            upper_rate = sum(r.samples_per_sec for r in upper) / len(upper)
+            gain = (upper_rate - lower_rate) / (lower_rate / (k - 1))  # in units of an average replica's samples/s
             if gain <= self.threshold:
+                if not confirming:
+                    self._phase = "recheck_lower"
+                    return k - 1
                 self.chosen = max(k - 1, self.min_replicas)
                 return self.chosen
         if not self._can_grow(k, strategy):

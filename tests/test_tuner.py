@@ -62,10 +62,25 @@ def expected_choice(threshold: float, start: int = 1) -> int:
     return k
 
 
+class SpikyClock(FakeClock):
+    """``FakeClock``, plus ``extra`` seconds once, on the second step at k=2 (its first measured step)."""
+
+    def __init__(self, extra: float) -> None:
+        super().__init__()
+        self.extra, self.steps_at_two = extra, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if len(batch) == 2:
+            self.steps_at_two += 1
+            if self.steps_at_two == 2:
+                self.now += self.extra
+
+
 def tuned_fit(
-    tmp_path, max_steps: int, start_k: int = 1, ckpt_path=None, objective: str = "throughput", model=None
+    tmp_path, max_steps: int, start_k: int = 1, ckpt_path=None, objective: str = "throughput", model=None, clock=None
 ) -> tuple[ReplicaAutoTuner, L.Trainer]:
-    clock = FakeClock()
+    clock = clock or FakeClock()
     tuner = ReplicaAutoTuner(objective=objective, window=4, warmup=1, threshold=0.1, clock=clock)
     fit = trainer(
         strategy=CrossbowStrategy(replicas_per_device=start_k),
@@ -84,12 +99,23 @@ def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path) -> None:
     assert expected == max(range(1, 9), key=throughput) == 4  # k=5 adds nothing: the throughput peak
     assert tuner.chosen == expected
     assert fit.strategy.replicas_per_device == expected
-    assert [r.replicas_per_device for r in tuner.history] == [1, 2, 3, 4, 5]
+    # k=5 adds nothing, so k=4 and k=5 are measured once more before it holds at 4.
+    assert [r.replicas_per_device for r in tuner.history] == [1, 2, 3, 4, 5, 4, 5]
     for record in tuner.history:  # measured rates are the injected ones: samples per step / seconds per step
         k = record.replicas_per_device
         assert record.samples_per_sec == pytest.approx(k * 8 / step_seconds(k))
     assert "chosen: k=4" in tuner.summary()
     assert (tmp_path / "replica_tuning.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_one_slow_window_does_not_stop_the_climb(tmp_path) -> None:
+    """A stall of 4 s inside the first window at k=2 makes k=2 look slower than k=1; measured again,
+    k=1 and k=2 are judged on both of their windows, and the climb goes on to the true best k."""
+    clock = SpikyClock(extra=4.0)
+    tuner, _ = tuned_fit(tmp_path, max_steps=80, clock=clock)
+    assert [r.replicas_per_device for r in tuner.history][:4] == [1, 2, 1, 2]
+    assert tuner.history[1].samples_per_sec < tuner.history[0].samples_per_sec  # the stall
+    assert tuner.chosen == 4
 
 
 def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
