@@ -210,8 +210,13 @@ def main() -> None:
         "workloads": {},
     }
     previous = json.loads((OUT / "accuracy.json").read_text()) if args.configs and (OUT / "accuracy.json").exists() else None
-    if previous is not None:
+    if previous is not None:  # keep the other configurations' results, and say which were run again
         results["workloads"] = previous["workloads"]
+        results["command"] = previous["command"]
+        rerun = f"python benchmarks/accuracy.py --workloads {' '.join(args.workloads)} --configs " + " ".join(
+            f"'{name}'" for name in args.configs
+        )
+        results["reruns"] = [*previous.get("reruns", []), rerun]
     for name in args.workloads:
         workload = WORKLOADS[name]
         max_epochs = 15 if args.quick else workload.max_epochs

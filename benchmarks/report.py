@@ -89,6 +89,8 @@ def accuracy_section(data: dict[str, Any], plots: Path) -> list[str]:
         " range in brackets. Learning rates are the user's, tuned for plain Lightning at b=16;"
         f" nothing is re-tuned per k. \"plain {data['scale']}b\" uses {data['scale']}x the batch.",
         "",
+        *(["Configurations run again afterwards, replacing their rows: " + "; ".join(f"`{c}`" for c in data["reruns"]), ""]
+          if data.get("reruns") else []),
         "Not run: Lightning's DDPStrategy with post-local SGD. It needs a DDP communication hook, and"
         " Lightning registers those on CUDA only; this machine has no GPU.",
         "",
