@@ -106,12 +106,12 @@ class CrossbowStrategy(DDPStrategy):
     Args:
         replicas_per_device: ``k``, the number of replicas (learners) per device, a positive int; or
             ``"auto"``: start at 1 and let a :class:`~lightning_crossbow.ReplicaAutoTuner` (added to the
-            trainer's callbacks unless one is there) choose k from measured training progress.
+            trainer's callbacks unless one is there) choose k from measured throughput (the default).
         alpha: ``sma`` and ``easgd`` only: correction strength in (0, 1]; ``None`` means ``1/K``.
         central_momentum: ``mu`` in [0, 1), momentum of the central model; ``None`` means 0.9 for ``sma``
             (Crossbow's value) and 0 otherwise (``easgd`` has none).
-        algorithm: ``"scaled_averaging"`` (default), ``"sma"`` (Crossbow's rule, as published) or
-            ``"easgd"`` (elastic averaging SGD): see :mod:`lightning_crossbow.algorithms`.
+        algorithm: ``"scaled_averaging"`` (default), ``"sma"`` (Crossbow's rule, as published),
+            ``"easgd"`` (elastic averaging SGD) or ``"gossip"``: see :mod:`lightning_crossbow.algorithms`.
         outer_lr: ``scaled_averaging`` only: ``"adaptive"`` (measured gain, default), ``"linear"`` (``K``;
             ``sqrt(K)`` for adaptive optimizers) or a positive number.
         warmup_epochs: ``scaled_averaging`` only: epochs over which the outer learning rate rises
@@ -168,6 +168,7 @@ class CrossbowStrategy(DDPStrategy):
         self.algorithm = algorithm
         self._alpha = None if alpha is None else float(alpha)
         self.central_momentum = self.averaging.central_momentum
+        self.outer_lr = outer_lr
         self.warmup_epochs = float(warmup_epochs)
         self.engine_name = engine
         self.reset_on_lr_drop = reset_on_lr_drop
@@ -289,14 +290,23 @@ class CrossbowStrategy(DDPStrategy):
         self._final_state = None
 
     def _check_same_config_on_all_ranks(self) -> None:
-        config = (self.replicas_per_device, self.algorithm, self._alpha, self.central_momentum, self.engine_name)
+        config = (
+            self.replicas_per_device,
+            self.algorithm,
+            self._alpha,
+            self.central_momentum,
+            self.outer_lr,
+            self.warmup_epochs,
+            self.engine_name,
+        )
         configs = [config]
         if self.world_size > 1:
             configs = [None] * self.world_size
             torch.distributed.all_gather_object(configs, config)
         if any(c != config for c in configs):
             raise RuntimeError(
-                "crossbow: the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, engine):"
+                "crossbow: the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, outer_lr,"
+                " warmup_epochs, engine):"
                 f" {configs}. Every process must be configured the same."
             )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -145,3 +146,26 @@ def test_the_outer_learning_rate_is_logged() -> None:
     t = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1, log_every_n_steps=1)
     t.fit(model, loader(make_data()))
     assert 1.0 <= float(t.logged_metrics["crossbow/outer_lr"]) <= 2.0
+
+
+class _GrowAtStep(L.Callback):
+    """Asks for k=5 after step 2; records the learners as the first step at k=5 starts its backward."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 2:
+            trainer.strategy.set_replicas_per_device(5)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.strategy.replicas_per_device == 5 and not hasattr(self, "rows"):
+            self.rows = [bucket.replicas.detach().clone() for bucket in trainer.strategy.stack.buckets]
+
+
+def test_gossip_learners_added_by_a_k_change_start_from_the_learners_mean() -> None:
+    grow = _GrowAtStep()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=3, algorithm="gossip"), max_epochs=1, callbacks=[grow]).fit(
+        Classifier(), loader(make_data(num_samples=128))
+    )
+    for rows in grow.rows:
+        assert not torch.equal(rows[0], rows[1])  # the three learners had drifted apart
+        for new in (rows[3], rows[4]):
+            torch.testing.assert_close(new, rows[:3].mean(0))
