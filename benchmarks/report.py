@@ -91,6 +91,14 @@ def accuracy_section(data: dict[str, Any], plots: Path) -> list[str]:
         "",
         *(["Configurations run again afterwards, replacing their rows: " + "; ".join(f"`{c}`" for c in data["reruns"]), ""]
           if data.get("reruns") else []),
+        "The crossbow rows at k=8 compare every averaging rule and outer learning rate with the default"
+        " (scaled averaging, gain measured on the learners' steps, smoothing 0.9). Tried during development"
+        " and not kept, so not re-run here (same seeds 0-2, median, the gain's smoothing then 0.99): the"
+        " gain measured on the replicas' gradients, AdaScale's own definition, needed 23 epochs on MNIST-1D"
+        " and 5 on the digits, against 19 and 4 for the gain measured on the steps (a likely reason, not"
+        " verified: with SGD momentum a step averages its gradients' noise over past steps, and only the"
+        " step-based gain sees the step the optimizer actually takes).",
+        "",
         "Not run: Lightning's DDPStrategy with post-local SGD. It needs a DDP communication hook, and"
         " Lightning registers those on CUDA only; this machine has no GPU.",
         "",
