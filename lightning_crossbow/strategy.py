@@ -7,7 +7,8 @@ This module is Lightning glue only. The pieces it wires together:
   parameters are the central model z;
 - :mod:`~lightning_crossbow.engines` run the user's ``training_step`` for all replicas;
 - the user's optimizer steps every replica (:mod:`~lightning_crossbow.optim`);
-- :mod:`~lightning_crossbow.sma` applies the corrections and moves z.
+- a rule of :mod:`~lightning_crossbow.algorithms` brings the replicas and z together, across
+  processes through :mod:`~lightning_crossbow.collectives`.
 """
 
 from __future__ import annotations
@@ -347,6 +348,8 @@ class CrossbowStrategy(DDPStrategy):
             new <= LR_DROP_RATIO * old for new, old in zip(lrs, self._last_lrs)
         ):
             assert self.stack is not None
+            if self.averaging.center_is_learner_mean:
+                self.sync_center()  # z is formed now (every rank sees the same drop at the same step)
             self.stack.reset_replicas_(self.lightning_module)
             rank_zero_info(f"crossbow: learning rate dropped to {lrs}; every replica reset to the central model.")
         self._last_lrs = lrs

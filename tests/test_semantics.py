@@ -100,10 +100,11 @@ class _ReplicaSpread(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("reset", [True, False])
-def test_replicas_reset_to_z_when_the_learning_rate_drops(reset: bool) -> None:
+@pytest.mark.parametrize(("reset", "algorithm"), [(True, "sma"), (False, "sma"), (True, "gossip"), (False, "gossip")])
+def test_replicas_reset_to_z_when_the_learning_rate_drops(reset: bool, algorithm: str) -> None:
     model = _ReplicaSpread(scheduler="step")
-    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=2, engine="sequential", reset_on_lr_drop=reset)
+    k = 3 if algorithm == "gossip" else 2  # (two gossiping learners are always equal)
+    strategy = CrossbowStrategy(algorithm=algorithm, replicas_per_device=k, engine="sequential", reset_on_lr_drop=reset)
     trainer(strategy=strategy, max_epochs=3).fit(model, loader(make_data()))
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     assert model.spread[0] == 0.0  # replicas start as copies of z
