@@ -133,6 +133,7 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         "crossbow k=2": {"strategy": _crossbow(2), "batch": 1, "lr": 1.0},
         "crossbow k=4": {"strategy": _crossbow(4), "batch": 1, "lr": 1.0},
         "crossbow k=8": {"strategy": _crossbow(8), "batch": 1, "lr": 1.0},
+        "crossbow k=16": {"strategy": _crossbow(16), "batch": 1, "lr": 1.0},
         "crossbow k=8, gain smoothing 0.5": {"strategy": _crossbow(8, smoothing=0.5), "batch": 1, "lr": 1.0},
         "crossbow k=8, gain smoothing 0.99": {"strategy": _crossbow(8, smoothing=0.99), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer lr linear (8)": {"strategy": _crossbow(8, outer_lr="linear"), "batch": 1, "lr": 1.0},

@@ -89,7 +89,8 @@ def accuracy_section(data: dict[str, Any], plots: Path) -> list[str]:
         " range in brackets. Learning rates are the user's, tuned for plain Lightning at b=16;"
         f" nothing is re-tuned per k. \"plain {data['scale']}b\" uses {data['scale']}x the batch.",
         "",
-        *(["Configurations run again afterwards, replacing their rows: " + "; ".join(f"`{c}`" for c in data["reruns"]), ""]
+        *(["Configurations run again afterwards, replacing their rows (their wall times come from another run,"
+           " so compare them only with rows of the same run): " + "; ".join(f"`{c}`" for c in data["reruns"]), ""]
           if data.get("reruns") else []),
         "The crossbow rows at k=8 compare every averaging rule and outer learning rate with the default"
         " (scaled averaging, gain measured on the learners' steps, smoothing 0.9). Tried during development"
