@@ -6,7 +6,8 @@ validation or an epoch boundary are not counted.
 
 - ``objective="throughput"`` (Crossbow's policy): while the last replica added raised samples/s by more
   than ``threshold`` of a replica's share, add another; otherwise step back one and hold (after
-  measuring k-1 and k once more, and taking the gain over both windows of each). The gain of
+  measuring k-1 and k once more, and taking the gain over both windows of each). Every
+  ``recheck_every`` windows' worth of steps it tries one more replica again. The gain of
   going from k-1 to k replicas is ``(R_k - R_{k-1}) / (R_{k-1} / (k-1))``: 1 when throughput scales
   linearly, whatever k. (A plain relative gain ``R_k / R_{k-1} - 1`` is at most ``1/(k-1)`` even with
   perfect scaling, so a 10% threshold would stop near k=10 on any device, and noise stops it far earlier.)
@@ -65,6 +66,9 @@ class ReplicaAutoTuner(Callback):
         threshold: the gain that justifies one more replica: for ``"throughput"`` the samples/s the last
             replica added, as a fraction of the average replica's; for ``"progress"`` the relative gain
             in loss decrease per second.
+        recheck_every: once it holds, the tuner explores again (from the held k, one more replica, with the
+            same rule) after this many windows' worth of steps, so that a choice made on noisy windows, or
+            on conditions that changed, is revisited; ``None`` holds for good.
         clock: seconds as a float; tests inject one.
         plot: where to save a PNG of k over time and samples/s per k when training ends (rank 0, needs
             matplotlib): a path, ``None`` for ``<trainer.log_dir>/replica_tuning.png``, or ``False``.
@@ -78,6 +82,7 @@ class ReplicaAutoTuner(Callback):
         window: int = 20,
         warmup: int = 3,
         threshold: float = 0.1,
+        recheck_every: Optional[int] = 10,
         clock: Callable[[], float] = time.perf_counter,
         plot: Union[str, Path, None, Literal[False]] = None,
     ) -> None:
@@ -90,15 +95,19 @@ class ReplicaAutoTuner(Callback):
             raise ValueError(f"max_replicas must be an int >= min_replicas={min_replicas}, got {max_replicas!r}.")
         if not (isinstance(threshold, (int, float)) and threshold >= 0):
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}.")
+        if recheck_every is not None and (isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1):
+            raise ValueError(f"recheck_every must be an int >= 1 or None, got {recheck_every!r}.")
         self.objective = objective
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         self.window, self.warmup, self.threshold = window, warmup, float(threshold)
+        self.recheck_every = recheck_every
         self.clock = clock
         self.plot = plot
         self.history: list[TuningRecord] = []
         #: The k the tuner settled on (None while it is still exploring).
         self.chosen: Optional[int] = None
         self._steps_since_change = 0
+        self._steps_held = 0  # training steps since the tuner last chose
         self._last_step_end: Optional[float] = None  # None after anything that is not a training step
         self._window_seconds = 0.0
         self._window_samples = 0
@@ -128,6 +137,7 @@ class ReplicaAutoTuner(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.chosen is not None:
+            self._hold_or_explore_again()
             return
         strategy = trainer.strategy
         now, last = self.clock(), self._last_step_end
@@ -163,6 +173,19 @@ class ReplicaAutoTuner(Callback):
             strategy.set_replicas_per_device(next_k)
         self._steps_since_change = self._window_steps = self._window_samples = 0
         self._window_seconds, self._window_losses = 0.0, []
+
+    def _hold_or_explore_again(self) -> None:
+        """Counts a held step; after ``recheck_every`` windows' worth, explores again from the held k.
+
+        Every rank counts the same steps, so all of them start exploring at the same step."""
+        if self.recheck_every is None:
+            return
+        self._steps_held += 1
+        if self._steps_held >= self.recheck_every * (self.window + self.warmup):
+            self.chosen, self._phase, self._steps_held = None, "before", 0
+            self._steps_since_change, self._last_step_end = 0, None
+            self._window_steps = self._window_samples = 0
+            self._window_seconds, self._window_losses = 0.0, []
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -295,6 +318,7 @@ class ReplicaAutoTuner(Callback):
         return {
             "history": [vars(record).copy() for record in self.history],
             "chosen": self.chosen,
+            "steps_held": self._steps_held,
             "phase": self._phase,
             "before": vars(self._before).copy() if self._before else None,
             "trial": vars(self._trial).copy() if self._trial else None,
@@ -304,6 +328,7 @@ class ReplicaAutoTuner(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [TuningRecord(**record) for record in state_dict["history"]]
         self.chosen = state_dict["chosen"]
+        self._steps_held = state_dict.get("steps_held", 0)
         self._phase = state_dict.get("phase", "before")
         self._before = TuningRecord(**state_dict["before"]) if state_dict.get("before") else None
         self._trial = TuningRecord(**state_dict["trial"]) if state_dict.get("trial") else None

@@ -77,11 +77,30 @@ class SpikyClock(FakeClock):
                 self.now += self.extra
 
 
+class ChangingClock(FakeClock):
+    """``FakeClock`` until step ``switch``; then larger k pays off more: step time ``1 + 0.02 k^2``."""
+
+    def __init__(self, switch: int) -> None:
+        super().__init__()
+        self.switch = switch
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        k = len(batch)
+        self.now += step_seconds(k) if trainer.global_step <= self.switch else 1.0 + 0.02 * k * k
+
+
 def tuned_fit(
-    tmp_path, max_steps: int, start_k: int = 1, ckpt_path=None, objective: str = "throughput", model=None, clock=None
+    tmp_path,
+    max_steps: int,
+    start_k: int = 1,
+    ckpt_path=None,
+    objective: str = "throughput",
+    model=None,
+    clock=None,
+    **tuner_kwargs: Any,
 ) -> tuple[ReplicaAutoTuner, L.Trainer]:
     clock = clock or FakeClock()
-    tuner = ReplicaAutoTuner(objective=objective, window=4, warmup=1, threshold=0.1, clock=clock)
+    tuner = ReplicaAutoTuner(objective=objective, window=4, warmup=1, threshold=0.1, clock=clock, **tuner_kwargs)
     fit = trainer(
         strategy=CrossbowStrategy(replicas_per_device=start_k),
         callbacks=[clock, tuner],
@@ -118,6 +137,17 @@ def test_one_slow_window_does_not_stop_the_climb(tmp_path) -> None:
     assert tuner.chosen == 4
 
 
+@pytest.mark.parametrize(("recheck_every", "expected"), [(2, 6), (None, 4)])
+def test_the_tuner_explores_again_after_holding(tmp_path, recheck_every, expected: int) -> None:
+    """It holds at k=4 by step 35; the device then favours more replicas (best by Crossbow's rule: 6).
+    Exploring again after 2 windows' worth of held steps finds 6; holding for good stays at 4."""
+    late = lambda k: k / (1.0 + 0.02 * k * k)  # noqa: E731
+    assert max(k for k in range(4, 9) if k == 4 or (late(k) - late(k - 1)) / (late(k - 1) / (k - 1)) > 0.1) == 6
+    tuner, fit = tuned_fit(tmp_path, max_steps=85, clock=ChangingClock(switch=40), recheck_every=recheck_every)
+    assert [r.replicas_per_device for r in tuner.history][:7] == [1, 2, 3, 4, 5, 4, 5]  # the first choice: 4
+    assert tuner.chosen == fit.strategy.replicas_per_device == expected
+
+
 def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
     tuner, fit = tuned_fit(tmp_path, max_steps=60)
     fit.save_checkpoint(tmp_path / "tuned.ckpt")
@@ -142,6 +172,7 @@ def test_the_tuner_needs_the_crossbow_strategy() -> None:
         ({"min_replicas": 4, "max_replicas": 2}, "max_replicas must be an int >= min_replicas=4"),
         ({"window": 0}, "window must be an int >= 1"),
         ({"threshold": -0.1}, "threshold must be a number >= 0"),
+        ({"recheck_every": 0}, "recheck_every must be an int >= 1 or None"),
     ],
 )
 def test_bad_tuner_arguments(kwargs: dict, message: str) -> None:
