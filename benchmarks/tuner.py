@@ -31,23 +31,27 @@ OUT = Path(__file__).with_name("out")
 
 
 class AfterChoice(L.Callback):
-    """Samples/s over the steps after the tuner has chosen k (wall time from one step end to the last)."""
+    """Samples/s over the steps run at the tuner's chosen k: each interval from one such step's end to the
+    next's (the windows in which the tuner explores again, ``recheck_every``, are left out)."""
 
     def __init__(self, tuner: ReplicaAutoTuner) -> None:
         self.tuner = tuner
-        self.start: Optional[float] = None
+        self.start: Optional[float] = None  # the first step end at the chosen k
+        self.last: Optional[float] = None
         self.samples = 0
-        self.end = 0.0
+        self.seconds = 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.tuner.chosen is None or trainer.strategy.replicas_per_device != self.tuner.chosen:
+            self.last = None
             return
         now = time.perf_counter()
         if self.start is None:
             self.start = now
-            return
-        self.samples += trainer.strategy.samples_per_step
-        self.end = now
+        if self.last is not None:
+            self.samples += trainer.strategy.samples_per_step
+            self.seconds += now - self.last
+        self.last = now
 
 
 def tuned_samples_per_second(
@@ -69,7 +73,7 @@ def tuned_samples_per_second(
 
     trainer = bare_trainer(CrossbowStrategy(1), callbacks=[tuner, after, StopAfter()])
     trainer.fit(Classifier(conv1d_net(40, 10), lr=0.01), DataLoader(data, batch_size=batch_size))
-    rate = after.samples / (after.end - after.start) if after.start is not None and after.end > after.start else float("nan")
+    rate = after.samples / after.seconds if after.seconds > 0 else float("nan")
     return rate, tuner.chosen
 
 
