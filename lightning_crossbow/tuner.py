@@ -171,8 +171,7 @@ class ReplicaAutoTuner(Callback):
         next_k, self.chosen, self._phase = strategy.broadcast((next_k, self.chosen, self._phase), src=0)
         if next_k != k:
             strategy.set_replicas_per_device(next_k)
-        self._steps_since_change = self._window_steps = self._window_samples = 0
-        self._window_seconds, self._window_losses = 0.0, []
+        self._new_window()
 
     def _hold_or_explore_again(self) -> None:
         """Counts a held step; after ``recheck_every`` windows' worth, explores again from the held k.
@@ -182,10 +181,13 @@ class ReplicaAutoTuner(Callback):
             return
         self._steps_held += 1
         if self._steps_held >= self.recheck_every * (self.window + self.warmup):
-            self.chosen, self._phase, self._steps_held = None, "before", 0
-            self._steps_since_change, self._last_step_end = 0, None
-            self._window_steps = self._window_samples = 0
-            self._window_seconds, self._window_losses = 0.0, []
+            self.chosen, self._phase, self._steps_held, self._last_step_end = None, "before", 0, None
+            self._new_window()
+
+    def _new_window(self) -> None:
+        """Starts a measurement afresh: its warm-up steps first, then ``window`` counted steps."""
+        self._steps_since_change = self._window_steps = self._window_samples = 0
+        self._window_seconds, self._window_losses = 0.0, []
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
