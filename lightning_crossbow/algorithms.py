@@ -6,7 +6,11 @@ processes are summed (one all-reduce per flat bucket) and move z with a heavy-ba
 
 .. math::
 
-    z_{next} = z + \sum_{j=1}^{K} c_j + \mu (z - z_{prev})
+    z_{next} = z + \sum_{j=1}^{K} K p_j c_j + \mu (z - z_{prev})
+
+with ``p_j = b_j / sum_i b_i`` learner ``j``'s share of the step's samples (Adaptive SGD's normalized
+merging, in heterogeneous mode). ``K p_j = 1`` whenever every batch has the same size, the usual case
+and always outside heterogeneous mode: then it is a plain sum.
 
 - :class:`ScaledAveraging` (the default), model averaging with an outer learning rate (the outer step
   of SlowMo, Wang et al., ICLR 2020, and DiLoCo, with one local step between synchronisations):
@@ -60,6 +64,9 @@ class StepContext:
     all_reduce_sum: AllReduceSum  #: sums a tensor over processes, in place
     pull_rows: Callable[[Tensor, int], Tensor]  #: see :func:`lightning_crossbow.collectives.pull_rows`
     dropped: Optional[Tensor] = None  #: rows of learners whose step diverged (left out), or None
+    #: ``K p_j`` per local learner, ``p_j = b_j / sum_i b_i`` its share of the step's samples over all ``K``
+    #: learners (Adaptive SGD's normalized merging); None when every batch has the same size (all ``K p_j = 1``).
+    learner_weights: Optional[Tensor] = None
 
 #: Optimizers that divide by a running gradient scale: for them the square-root rule applies.
 ADAPTIVE_OPTIMIZERS: tuple[type[Optimizer], ...] = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta)
@@ -94,11 +101,16 @@ def warmed_up(target: float, epochs_done: float, warmup_epochs: float) -> float:
     return 1.0 + (target - 1.0) * min(1.0, epochs_done / warmup_epochs)
 
 
-def sum_corrections(bucket: FlatBucket, all_reduce_sum: AllReduceSum, dropped: Optional[Tensor]) -> Tensor:
-    """``sum_j c_j`` over the learners of every process (``c_j`` in ``bucket.corrections``), ``dropped`` rows left out."""
+def sum_corrections(
+    bucket: FlatBucket, all_reduce_sum: AllReduceSum, dropped: Optional[Tensor], weights: Optional[Tensor] = None
+) -> Tensor:
+    """``sum_j K p_j c_j`` over the learners of every process (``c_j`` in ``bucket.corrections``, ``K p_j`` in
+    ``weights``; 1 when None), ``dropped`` rows left out. With every ``p_j = 1/K`` it is ``sum_j c_j``."""
     if dropped is not None:
         bucket.corrections[dropped] = 0.0
-    return all_reduce_sum(bucket.corrections.sum(0))
+    if weights is None:
+        return all_reduce_sum(bucket.corrections.sum(0))
+    return all_reduce_sum(weights @ bucket.corrections)
 
 
 class Averaging(ABC):
@@ -153,7 +165,7 @@ class SMA(Averaging):
     ) -> None:
         for bucket in buckets:
             apply_corrections_(bucket.replicas, bucket.corrections)
-            correction_sum = sum_corrections(bucket, step.all_reduce_sum, step.dropped)
+            correction_sum = sum_corrections(bucket, step.all_reduce_sum, step.dropped, step.learner_weights)
             update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
 
 
@@ -230,7 +242,7 @@ class ScaledAveraging(Averaging):
         sums = []
         for bucket in buckets:
             torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
-            sums.append(sum_corrections(bucket, step.all_reduce_sum, step.dropped))
+            sums.append(sum_corrections(bucket, step.all_reduce_sum, step.dropped, step.learner_weights))
         num_learners = step.num_learners
         if self.outer_lr == "adaptive":
             self._measure(buckets, sums, step.all_reduce_sum, step.dropped)

@@ -1,7 +1,7 @@
-"""The two cross-process operations the averaging rules need, as functions over stacked learner rows.
+"""The cross-process operations the averaging rules and the balancer need, as functions over stacked learner rows.
 
 Learner ``i = r * k + j`` is row ``j`` of process ``r``'s ``(k, N)`` stack; ``K = k x world_size``.
-Without an initialised process group (one process) both are local.
+Without an initialised process group (one process) all are local.
 """
 
 from __future__ import annotations
@@ -56,3 +56,13 @@ def pull_rows(rows: Tensor, shift: int) -> Tensor:
         for request in dist.batch_isend_irecv(operations):
             request.wait()
     return out
+
+
+def all_gather_rows(row: Tensor) -> Tensor:
+    """Stacks every process's ``row`` (the same shape on all), in rank order: shape ``(world_size, *row.shape)``."""
+    rank, world = _world()
+    if world == 1:
+        return row.unsqueeze(0)
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row)
+    return torch.stack(rows)

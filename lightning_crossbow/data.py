@@ -12,6 +12,8 @@ from collections.abc import Iterable, Iterator, Sized
 from itertools import islice
 from typing import Any
 
+from lightning_crossbow.routing import RoutedSampler, RoutingPlan
+
 
 class ReplicaBatchLoader:
     """Wraps a loader so that each item is a list of ``num_replicas`` consecutive batches.
@@ -35,13 +37,18 @@ class ReplicaBatchLoader:
         self._returned = []
         batches = iter(self.loader)
         while True:
-            group, self._returned = self._returned[: self.num_replicas], self._returned[self.num_replicas :]
-            group += list(islice(batches, self.num_replicas - len(group)))
+            size = self._group_size()
+            group, self._returned = self._returned[:size], self._returned[size:]
+            group += list(islice(batches, size - len(group)))
             self.batches_taken += len(group)
-            if len(group) < self.num_replicas:
+            if len(group) < size:
                 return
             self.groups_yielded += 1
             yield group
+
+    def _group_size(self) -> int:
+        """Batches in the next group."""
+        return self.num_replicas
 
     def give_back(self, batches: list[Any]) -> None:
         """Returns batches of a group that could not run: the next group starts with them, in order."""
@@ -64,6 +71,46 @@ class ReplicaBatchLoader:
         return len(self.loader) % self.num_replicas if isinstance(self.loader, Sized) else 0
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "num_replicas", "groups_yielded", "batches_taken", "_returned"):  # not set yet (e.g. while unpickling)
+        if name in ("loader", "num_replicas", "groups_yielded", "batches_taken", "_returned", "plan", "routed_sampler"):  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+class RoutedBatchLoader(ReplicaBatchLoader):
+    """Groups the batches of a loader over a :class:`~lightning_crossbow.routing.RoutedSampler`: each group
+    is this rank's share of one group of the common order, ``plan.share(g)[1]`` batches at group ``g``.
+
+    Lengths count groups of the whole order (every rank has the same), not of this rank's batches.
+    """
+
+    def __init__(self, loader: Iterable, routed_sampler: RoutedSampler) -> None:
+        self.plan: RoutingPlan = routed_sampler.plan
+        self.routed_sampler = routed_sampler
+        super().__init__(loader, self.plan.share(self.plan.groups_trained)[1])
+        self.current_group = -1  #: the group of the last batches handed out
+        self._order_batches_taken = 0  # in the current pass, by the groups of every rank
+
+    def _group_size(self) -> int:
+        return self.plan.share(self.plan.groups_trained)[1]
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        self._order_batches_taken = 0
+        for group in super().__iter__():
+            self.current_group = self.plan.groups_trained
+            self.num_replicas = len(group)
+            self._order_batches_taken += sum(self.plan.split_at(self.current_group))
+            self.plan.groups_trained += 1
+            yield group
+
+    def give_back(self, batches: list[Any]) -> None:
+        raise RuntimeError("A routed group cannot be split: the other ranks' shares of it are fixed.")
+
+    def groups_in_pass(self) -> int:
+        remaining = self.routed_sampler.batches_per_epoch() - self._order_batches_taken
+        return self.groups_yielded + remaining // sum(self.plan.latest)
+
+    def __len__(self) -> int:
+        return self.routed_sampler.batches_per_epoch() // sum(self.plan.latest)
+
+    def dropped_batches(self) -> int:
+        return self.routed_sampler.batches_per_epoch() % sum(self.plan.latest)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -34,10 +35,12 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from typing_extensions import override
 
 from lightning_crossbow.accelerator import CrossbowAccelerator
@@ -52,8 +55,9 @@ from lightning_crossbow.algorithms import (
     ScaledAveraging,
     StepContext,
 )
-from lightning_crossbow.collectives import all_reduce_sum_, pull_rows
-from lightning_crossbow.data import ReplicaBatchLoader
+from lightning_crossbow.balancing import SpeedBalancer
+from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
+from lightning_crossbow.data import ReplicaBatchLoader, RoutedBatchLoader
 from lightning_crossbow.engines import ENGINES, AutoEngine, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
@@ -64,6 +68,7 @@ from lightning_crossbow.optim import (
     resize_stacked_state_,
 )
 from lightning_crossbow.replicas import ReplicaStack
+from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split
 from lightning_crossbow.tuner import ReplicaAutoTuner
 
 #: An LR decrease between two consecutive steps counts as a "drop" (and resets the replicas to z
@@ -120,6 +125,12 @@ class CrossbowStrategy(DDPStrategy):
         engine: ``"auto"`` (fused, falling back to sequential when the training_step cannot run under
             vmap), ``"fused"`` (torch.func.vmap over the stacked replicas) or ``"sequential"``.
         reset_on_lr_drop: reset every replica to z when the learning rate drops (see ``LR_DROP_RATIO``).
+        heterogeneous: for devices of different speed (Adaptive SGD): ``True`` (or a
+            :class:`~lightning_crossbow.SpeedBalancer` to configure) gives each rank learners in proportion to
+            its measured speed, ``replicas_per_device`` being their mean; every rank takes its share of one
+            common order of the data (:mod:`~lightning_crossbow.routing`), so an epoch still sees every
+            sample once; z's update weighs each learner by its share of the step's samples. Every rank's
+            DataLoader must be the whole dataset, with ``shuffle`` True or False. Off by default.
         elementwise_optimizers: optimizer classes, beyond torch's element-wise ones, that the user
             declares element-wise (each element updated from its own gradient and state only).
         The remaining arguments are those of Lightning's ``DDPStrategy`` (launching, backend, timeout).
@@ -137,6 +148,7 @@ class CrossbowStrategy(DDPStrategy):
         warmup_epochs: float = 0.0,
         engine: Literal["auto", "fused", "sequential"] = "auto",
         reset_on_lr_drop: bool = True,
+        heterogeneous: Union[bool, SpeedBalancer] = False,
         elementwise_optimizers: Iterable[type[Optimizer]] = (),
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -155,6 +167,13 @@ class CrossbowStrategy(DDPStrategy):
         self.averaging = _make_averaging(algorithm, alpha, central_momentum, outer_lr, warmup_epochs)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}.")
+        if not isinstance(heterogeneous, (bool, SpeedBalancer)):
+            raise ValueError(f"heterogeneous must be True, False or a SpeedBalancer, got {heterogeneous!r}.")
+        if heterogeneous is not False and algorithm == "gossip":
+            raise ValueError(
+                "heterogeneous=True does not apply to algorithm='gossip': its peers are paired by position,"
+                " which assumes the same number of learners on every rank. Use 'scaled_averaging', 'sma' or 'easgd'."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -174,6 +193,13 @@ class CrossbowStrategy(DDPStrategy):
         self.engine_name = engine
         self.reset_on_lr_drop = reset_on_lr_drop
         self.elementwise_optimizers = tuple(elementwise_optimizers)
+        #: Splits the learners by speed in heterogeneous mode (None otherwise).
+        self.balancer: Optional[SpeedBalancer] = (
+            heterogeneous if isinstance(heterogeneous, SpeedBalancer) else SpeedBalancer() if heterogeneous else None
+        )
+        #: Heterogeneous mode's routing of the data and the learners per rank (set up with the replicas).
+        self.routing: Optional[RoutingPlan] = None
+        self._split: Optional[Split] = None  # the learners per rank at the step in progress
 
         self.stack: Optional[ReplicaStack] = None
         self.engine: Optional[Engine] = None
@@ -195,13 +221,28 @@ class CrossbowStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------ properties
     @property
     def num_learners(self) -> int:
-        """``K = k x world_size``, the learners over all processes."""
+        """``K``, the learners over all processes: ``k x world_size``, or the sum of the split in heterogeneous mode."""
+        if self._split is not None:
+            return sum(self._split)
         return self.replicas_per_device * self.world_size
 
     @property
-    def samples_per_step(self) -> Optional[int]:
-        """Samples one step trains on this process, ``k x`` the per-replica batch size (None if unknown)."""
-        return self.replicas_per_device * self._batch_size if self._batch_size else None
+    def tuned_replicas_per_device(self) -> int:
+        """The k a :class:`ReplicaAutoTuner` sets: ``replicas_per_device``; in heterogeneous mode the mean over
+        ranks, ``K / world_size`` (each rank's own k, ``replicas_per_device``, follows its speed)."""
+        if self.routing is not None:
+            return sum(self.routing.latest) // self.world_size
+        return self.replicas_per_device
+
+    @property
+    def samples_per_step(self) -> Optional[float]:
+        """Samples one step trains on per process, ``k x`` the per-replica batch size (None if unknown); in
+        heterogeneous mode the mean over processes."""
+        if not self._batch_size:
+            return None
+        if self._split is not None:
+            return self.num_learners * self._batch_size / self.world_size
+        return self.replicas_per_device * self._batch_size
 
     @property
     def alpha(self) -> Optional[float]:
@@ -215,8 +256,8 @@ class CrossbowStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if self.auto_replicas and not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
             trainer.callbacks.append(ReplicaAutoTuner())
-        if self.world_size == 1:
-            # One process: keep the user's DataLoader and sampler exactly as they are (Lightning would
+        if self.world_size == 1 or self.balancer is not None:
+            # Heterogeneous mode routes the data itself. One process: keep the user's DataLoader and sampler exactly as they are (Lightning would
             # otherwise inject a shuffling DistributedSampler because this is a DDPStrategy).
             trainer._accelerator_connector.use_distributed_sampler = False
         if type(self.accelerator) in (CPUAccelerator, CUDAAccelerator):
@@ -286,6 +327,11 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device,
         )
         self.engine = make_engine(self.engine_name, module, self.replicas_per_device)
+        if self.balancer is not None:
+            self.routing = RoutingPlan((self.replicas_per_device,) * self.world_size, self.global_rank)
+            self._split = self.routing.latest
+            self.balancer.restart()
+            self.balancer.history = [(0, self._split)]
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_per_replica  # type: ignore[method-assign]
         self._last_lrs = None
         self._final_state = None
@@ -299,6 +345,7 @@ class CrossbowStrategy(DDPStrategy):
             self.outer_lr,
             self.warmup_epochs,
             self.engine_name,
+            self.balancer is not None,
         )
         configs = [config]
         if self.world_size > 1:
@@ -307,7 +354,7 @@ class CrossbowStrategy(DDPStrategy):
         if any(c != config for c in configs):
             raise RuntimeError(
                 "crossbow: the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, outer_lr,"
-                " warmup_epochs, engine):"
+                " warmup_epochs, engine, heterogeneous):"
                 f" {configs}. Every process must be configured the same."
             )
 
@@ -320,17 +367,60 @@ class CrossbowStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        grouped = ReplicaBatchLoader(dataloader, self.replicas_per_device)
-        self._grouped = grouped
         self._batch_size = getattr(dataloader, "batch_size", None)
+        if self.routing is not None:
+            grouped: ReplicaBatchLoader = self._routed_loader(dataloader)
+            batches_per_step, per_step = sum(self.routing.latest), f"K={sum(self.routing.latest)} learners"
+        else:
+            grouped = ReplicaBatchLoader(dataloader, self.replicas_per_device)
+            batches_per_step, per_step = self.replicas_per_device, f"replicas_per_device={self.replicas_per_device}"
+        self._grouped = grouped
         dropped = grouped.dropped_batches()
         if dropped:
             rank_zero_warn(
-                f"crossbow: the training DataLoader has {len(dataloader)} batches, not a multiple of"  # type: ignore[arg-type]
-                f" replicas_per_device={self.replicas_per_device}; the last {dropped} batch(es) of every epoch"
-                " do not fill a step and are skipped."
+                f"crossbow: the training DataLoader has {len(grouped) * batches_per_step + dropped} batches, not a"
+                f" multiple of {per_step}; the last {dropped} batch(es) of every epoch do not fill a step and are"
+                " skipped."
             )
         return grouped
+
+    def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
+        """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
+        assert self.routing is not None
+        sampler = getattr(dataloader, "sampler", None)
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        problem = None
+        if not isinstance(dataloader, DataLoader):
+            problem = f"a torch DataLoader, got {type(dataloader).__name__}"
+        elif not isinstance(sampler, (RandomSampler, SequentialSampler)):
+            problem = f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(sampler).__name__}"
+        elif type(batch_sampler) is not BatchSampler or dataloader.batch_size is None:
+            problem = f"a batch_size (torch's BatchSampler), got a {type(batch_sampler).__name__}"
+        if problem is not None:
+            raise ValueError(
+                f"crossbow: heterogeneous=True routes batches of one common order to the ranks, so the training"
+                f" DataLoader needs {problem}."
+            )
+        assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
+        dataset_length = len(dataloader.dataset)  # type: ignore[arg-type]
+        lengths = [dataset_length]
+        if self.world_size > 1:
+            lengths = [None] * self.world_size
+            torch.distributed.all_gather_object(lengths, dataset_length)
+        if len(set(lengths)) > 1:
+            raise ValueError(
+                f"crossbow: heterogeneous=True needs the whole dataset on every rank (it routes the data itself),"
+                f" but the ranks' training datasets have {lengths} samples."
+            )
+        order = DistributedSampler(
+            dataloader.dataset,
+            num_replicas=1,
+            rank=0,
+            shuffle=isinstance(sampler, RandomSampler),
+            seed=int(os.getenv("PL_GLOBAL_SEED", 0)),  # the seed Lightning's own DistributedSampler takes
+        )
+        routed = RoutedSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
+        return RoutedBatchLoader(_update_dataloader(dataloader, routed, mode=RunningStage.TRAINING), routed)
 
     # ------------------------------------------------------------------------------- training
     @override
@@ -339,6 +429,8 @@ class CrossbowStrategy(DDPStrategy):
         if batch_idx == 0 and self._epoch_length_follows_k:  # Lightning counted this epoch's steps at the old k
             self._fit_epoch_length(self.lightning_module.trainer)
         assert self.stack is not None
+        if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
+            self._split = self.routing.split_at(self._grouped.current_group)
         if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
             # The first group made after set_replicas_per_device: resize before the step's corrections.
             self._resize_replicas(len(batch))
@@ -388,7 +480,10 @@ class CrossbowStrategy(DDPStrategy):
         process must make the same call at the same step (:class:`ReplicaAutoTuner` does).
         """
         _check_positive_int("replicas_per_device", replicas_per_device)
-        if replicas_per_device == (self._grouped.num_replicas if self._grouped else self.replicas_per_device):
+        if self.routing is not None:
+            if replicas_per_device == self.tuned_replicas_per_device:
+                return
+        elif replicas_per_device == (self._grouped.num_replicas if self._grouped else self.replicas_per_device):
             return
         trainer = self._lightning_module._trainer if self._lightning_module is not None else None
         if trainer is not None and trainer.accumulate_grad_batches > 1:
@@ -400,7 +495,14 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device = replicas_per_device
             return
         assert self._grouped is not None and trainer is not None
-        self._grouped.num_replicas = replicas_per_device
+        if self.routing is not None and self.balancer is not None:
+            # K = k x world_size learners, split by the speeds measured last, from a group no rank has drawn.
+            first_free_group = int(all_gather_rows(torch.tensor([float(self.routing.groups_drawn)]))[:, 0].max())
+            split = self.balancer.split_for(replicas_per_device * self.world_size, self.world_size)
+            self.routing.schedule(split, first_free_group)
+            self.balancer.history.append((self.lightning_module.trainer.global_step, split))
+        else:
+            self._grouped.num_replicas = replicas_per_device
         self._epoch_length_follows_k = True
         self._fit_epoch_length(trainer)
 
@@ -425,7 +527,7 @@ class CrossbowStrategy(DDPStrategy):
         and opens the next group, so no batch is lost. ``replica_ceiling`` keeps the tuner below k.
         One process only: the ranks of a multi-process run must keep the same k.
         """
-        if len(batches) == 1 or self._grouped is None or self.world_size > 1:
+        if len(batches) == 1 or self._grouped is None or self.world_size > 1 or self.routing is not None:
             raise error
         self._log_capture.clear()
         if self.root_device.type == "cuda":
@@ -457,7 +559,8 @@ class CrossbowStrategy(DDPStrategy):
         self.engine = make_engine("sequential" if fell_back else self.engine_name, self.lightning_module, replicas_per_device)
         self.replicas_per_device = replicas_per_device
         self._step_losses = None
-        rank_zero_info(f"crossbow: replicas_per_device is now {replicas_per_device} (K = {self.num_learners}).")
+        if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
+            rank_zero_info(f"crossbow: replicas_per_device is now {replicas_per_device} (K = {self.num_learners}).")
 
     def _log_crossbow_metrics(self, module: "pl.LightningModule") -> None:
         """Logs k, samples/s (both on the progress bar) and the replicas' spread at logging steps."""
@@ -496,6 +599,7 @@ class CrossbowStrategy(DDPStrategy):
             optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
         )
         diverged = self._diverged_replicas()
+        window_done = self.balancer is not None and self.balancer.work_done(self.stack.num_replicas)
         step = StepContext(
             num_learners=self.num_learners,
             step=self.lightning_module.trainer.global_step,
@@ -504,6 +608,7 @@ class CrossbowStrategy(DDPStrategy):
             all_reduce_sum=all_reduce_sum_,
             pull_rows=pull_rows,
             dropped=diverged,
+            learner_weights=self._learner_weights(),
         )
         with torch.no_grad():
             self.averaging.after_local_step(self.stack.buckets, step)
@@ -514,8 +619,36 @@ class CrossbowStrategy(DDPStrategy):
         self._center_stale = True
         if self.averaging.center_is_learner_mean and self._ends_an_epoch():
             self.sync_center()  # epoch-end callbacks and on_train_end read z directly
+        if self.balancer is not None:
+            if window_done:
+                self._rebalance()
+            self.balancer.sync_done()
         self._measure_throughput()
         return output
+
+    def _learner_weights(self) -> Optional[Tensor]:
+        """``K p_i`` of the local learners when the step's batches differ in size (heterogeneous mode), else None."""
+        if self.routing is None or not isinstance(self._grouped, RoutedBatchLoader):
+            return None
+        weights = self.routing.learner_weights(self._grouped.current_group)
+        if weights is None:
+            return None
+        assert self.stack is not None
+        return torch.tensor(weights, dtype=self.stack.buckets[0].replicas.dtype, device=self.root_device)
+
+    def _rebalance(self) -> None:
+        """Ends the balancer's window: every rank moves to the same new split, if one pays, at the same group."""
+        assert self.balancer is not None and self.routing is not None and self._split is not None
+        split, first_free_group = self.balancer.rebalance(self._split, all_gather_rows, self.routing.groups_drawn)
+        if split is None:
+            return
+        self.routing.schedule(split, first_free_group)
+        self.balancer.history.append((self.lightning_module.trainer.global_step, split))
+        seconds = ", ".join(f"{t * 1e3:.2f}" for t in self.balancer.seconds_per_learner or ())
+        rank_zero_info(
+            f"crossbow: ms per learner-step by rank: {seconds}; learners per rank {self._split} -> {split}"
+            f" from step group {first_free_group}."
+        )
 
     def _ends_an_epoch(self) -> bool:
         """Whether this step is the last of its epoch, or of training (``max_steps``)."""
@@ -567,6 +700,9 @@ class CrossbowStrategy(DDPStrategy):
             return
 
         def all_reduce_mean(tensor: Tensor) -> Tensor:
+            if self.routing is not None:  # ranks hold different numbers of learners: weigh each rank's mean by them
+                assert self.stack is not None
+                return all_reduce_sum_(tensor.mul_(self.stack.num_replicas)).div_(self.num_learners)
             return all_reduce_sum_(tensor).div_(self.world_size)
 
         with torch.no_grad():
@@ -622,6 +758,7 @@ class CrossbowStrategy(DDPStrategy):
             "version": _CHECKPOINT_VERSION,
             "algorithm": self.algorithm,
             "replicas_per_device": self.replicas_per_device,
+            "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
             "averaging": self.averaging.state_dict(),
@@ -635,18 +772,23 @@ class CrossbowStrategy(DDPStrategy):
         state = checkpoint.get(_CHECKPOINT_KEY)
         optimizer = self.optimizers[0]
         saved_optimizer = checkpoint["optimizer_states"][0]
-        if (
-            state is not None
-            and self.restore_replicas_per_device
-            and state["world_size"] == self.world_size
-            and state["replicas_per_device"] != self.replicas_per_device
-        ):
-            self._resize_replicas(state["replicas_per_device"])  # a tuned k carries on
-        same_layout = (
-            state is not None
-            and state["replicas_per_device"] == self.replicas_per_device
-            and state["world_size"] == self.world_size
-        )
+        if self.routing is not None:
+            same_layout = self._restore_split(state)
+        else:
+            # (a heterogeneous run's checkpoint with different learners per rank re-seeds)
+            even = state is not None and len(set(state.get("split") or (0,))) == 1
+            if (
+                even
+                and self.restore_replicas_per_device
+                and state["world_size"] == self.world_size
+                and state["replicas_per_device"] != self.replicas_per_device
+            ):
+                self._resize_replicas(state["replicas_per_device"])  # a tuned k carries on
+            same_layout = (
+                even
+                and state["replicas_per_device"] == self.replicas_per_device
+                and state["world_size"] == self.world_size
+            )
         if state is not None and state.get("algorithm", self.algorithm) == self.algorithm:
             self.averaging.load_state_dict(state.get("averaging", {}))
         if same_layout:
@@ -671,6 +813,23 @@ class CrossbowStrategy(DDPStrategy):
             f" world_size={self.world_size}: the replicas were re-seeded from the central model and their"
             " optimizer state starts fresh (learning rates and other hyper-parameters were restored)."
         )
+
+    def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:
+        """Heterogeneous mode: carries on with the checkpoint's learners per rank when it has as many ranks
+        and, unless k is tuned, as many learners in all; returns whether it did."""
+        assert self.routing is not None and self.stack is not None
+        split = tuple(state["split"]) if state is not None and state.get("split") else None
+        if split is None or len(split) != self.world_size:
+            return False
+        if sum(split) != self.num_learners and not self.restore_replicas_per_device:
+            return False
+        self.routing.restart(split)
+        self._split = split
+        if split[self.global_rank] != self.stack.num_replicas:
+            self._resize_replicas(split[self.global_rank])
+        assert self.balancer is not None
+        self.balancer.history = [(0, split)]
+        return True
 
     # ------------------------------------------------------------------------------ teardown
     @override

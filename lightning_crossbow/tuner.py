@@ -157,7 +157,7 @@ class ReplicaAutoTuner(Callback):
             self._window_losses[-1].append((self._window_seconds, _mean_loss(outputs, strategy.replicas_per_device)))
         if self._window_steps < self.window:
             return
-        k = strategy.replicas_per_device
+        k = strategy.tuned_replicas_per_device  # in heterogeneous mode, the mean over ranks
         record = TuningRecord(
             trainer.global_step,
             k,

@@ -59,6 +59,8 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name == "sgd_nesterov_wd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-2)
+    if name == "plain_sgd":
+        return torch.optim.SGD(params, lr=lr)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr * 0.1)
     raise ValueError(name)

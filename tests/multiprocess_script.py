@@ -2,6 +2,7 @@
 
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
        [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune] [--algorithm A]
+       [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
+from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner, SpeedBalancer  # noqa: E402
 from tests.helpers import Classifier, make_data  # noqa: E402
 
 WORLD_SIZE = 2
@@ -35,10 +36,35 @@ class Sharded(L.LightningDataModule):
 
 
 class Unsharded(L.LightningDataModule):
-    """The whole dataset on every rank: Lightning's DistributedSampler shards (and shuffles) it, as with DDP."""
+    """The whole dataset on every rank: Lightning's DistributedSampler shards (and shuffles) it, as with DDP;
+    in heterogeneous mode crossbow routes it."""
+
+    def __init__(self, num_samples: int = 96) -> None:
+        super().__init__()
+        self.num_samples = num_samples
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(make_data(num_samples=96), batch_size=8)
+        return DataLoader(make_data(num_samples=self.num_samples), batch_size=8)
+
+
+class VirtualClock:
+    """A clock that only moves when told: the balancer's clock in tests, so measured speeds are exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimulatedDeviceSpeed(L.Callback):
+    """Each step, this rank's clock advances ``seconds_per_learner`` per local learner: a device of that speed."""
+
+    def __init__(self, clock: VirtualClock, seconds_per_learner: float) -> None:
+        self.clock, self.seconds_per_learner = clock, seconds_per_learner
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
+        self.clock.now += self.seconds_per_learner * len(batch)  # type: ignore[arg-type]
 
 
 class KillAtStep(L.Callback):
@@ -56,9 +82,13 @@ class SaveFinalState(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.group_sizes: list[int] = []
+        self.seen: list[list[torch.Tensor]] = []  # per epoch, the inputs this rank trained on
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
         self.group_sizes.append(len(batch))  # type: ignore[arg-type]
+        while len(self.seen) <= trainer.current_epoch:
+            self.seen.append([])
+        self.seen[trainer.current_epoch].extend(x for x, _ in batch)  # type: ignore[attr-defined]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
@@ -70,6 +100,8 @@ class SaveFinalState(L.Callback):
                 "group_sizes": self.group_sizes,
                 "world_size": trainer.world_size,
                 "global_step": trainer.global_step,
+                "seen": [torch.cat(inputs) if inputs else torch.empty(0) for inputs in self.seen],
+                "splits": strategy.balancer.history if strategy.balancer is not None else None,
             },
             self.out / f"rank{trainer.global_rank}.pt",
         )
@@ -89,8 +121,18 @@ def main() -> None:
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--tune", action="store_true", help="let ReplicaAutoTuner change k (real clocks)")
     parser.add_argument("--algorithm", default="sma", choices=["sma", "easgd", "scaled_averaging", "gossip"])
+    parser.add_argument("--heterogeneous", help="seconds per learner-step of each rank, e.g. 1,3 (a virtual clock)")
+    parser.add_argument("--samples", type=int, default=96, help="training samples (with --heterogeneous)")
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--outer-lr", type=float)
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
+    balancer = None
+    if args.heterogeneous:
+        clock = VirtualClock()
+        balancer = SpeedBalancer(every=2, clock=clock)
+        cost = float(args.heterogeneous.split(",")[int(os.environ.get("LOCAL_RANK", 0))])
+        callbacks.append(SimulatedDeviceSpeed(clock, cost))
     if args.checkpoint_dir:
         callbacks.append(ModelCheckpoint(args.checkpoint_dir, save_top_k=-1, save_on_train_epoch_end=True))
     if args.kill_at_step is not None:
@@ -98,7 +140,14 @@ def main() -> None:
     if args.tune:  # threshold 0: it climbs to max_replicas unless a step gets slower; each rank's clock differs
         callbacks.append(ReplicaAutoTuner("throughput", window=1, warmup=0, threshold=0.0, max_replicas=3))
     k = args.k + (int(os.environ.get("LOCAL_RANK", 0)) if args.mismatch else 0)
-    strategy = CrossbowStrategy(algorithm=args.algorithm, replicas_per_device=k, start_method=args.launcher)
+    options = {"outer_lr": args.outer_lr} if args.outer_lr is not None else {}
+    strategy = CrossbowStrategy(
+        algorithm=args.algorithm,
+        replicas_per_device=k,
+        start_method=args.launcher,
+        heterogeneous=balancer if balancer is not None else False,
+        **options,
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD_SIZE,
@@ -111,8 +160,8 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    datamodule = Unsharded() if args.distributed_sampler else Sharded()
-    trainer.fit(Classifier(), datamodule=datamodule, ckpt_path=args.resume)
+    datamodule = Unsharded(args.samples) if args.distributed_sampler or balancer is not None else Sharded()
+    trainer.fit(Classifier(optimizer=args.optimizer), datamodule=datamodule, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
 

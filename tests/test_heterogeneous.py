@@ -1,0 +1,178 @@
+"""Heterogeneous mode (Adaptive SGD): learners split by speed, data routed from one common order, normalized merge."""
+
+from __future__ import annotations
+
+import copy
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, WeightedRandomSampler
+
+from lightning_crossbow import CrossbowStrategy, SpeedBalancer
+from lightning_crossbow.balancing import split_learners, step_seconds
+from lightning_crossbow.routing import RoutedSampler, RoutingPlan
+from tests.helpers import Classifier, loader, make_data, make_net, trainer
+from tests.test_multiprocess import _run
+
+BATCH = 8
+
+
+def reference_weighted_averaging(
+    net: nn.Module, dataset: torch.utils.data.Dataset, num_learners: int, epochs: int, lr: float, eta: float
+) -> list[Tensor]:
+    """Scaled averaging with a fixed outer learning rate and plain SGD, written out over one common order.
+
+    Each step the next ``K`` batches go to ``K`` learners that all start at z and take one SGD step;
+    ``z <- z + eta * sum_i p_i (w_i - z)`` with ``p_i = b_i / sum_j b_j`` (the batches' sizes). A last
+    group of fewer than ``K`` batches is skipped. Which rank holds which learner does not matter here.
+    """
+    z = copy.deepcopy(net)
+    for _ in range(epochs):
+        batches = list(DataLoader(dataset, batch_size=BATCH, shuffle=False))
+        for first in range(0, len(batches) - num_learners + 1, num_learners):
+            group = batches[first : first + num_learners]
+            total = sum(len(y) for _, y in group)
+            steps = []
+            for x, y in group:
+                learner = copy.deepcopy(z)
+                learner.zero_grad()
+                nn.functional.cross_entropy(learner(x), y).backward()
+                steps.append([-lr * p.grad for p in learner.parameters()])
+            with torch.no_grad():
+                for index, p in enumerate(z.parameters()):
+                    p += eta * sum(len(y) / total * step[index] for (_, y), step in zip(group, steps))
+    return [p.detach() for p in z.parameters()]
+
+
+# ----------------------------------------------------------------------------- pure pieces
+def test_split_learners_minimises_the_slowest_ranks_step() -> None:
+    assert split_learners([1.0, 3.0], 8) == (6, 2)  # learners in proportion to speed: 3 to 1
+    assert split_learners([1.0, 1.0], 8) == (4, 4)
+    assert split_learners([1.0, 1.0], 5) == (3, 2)  # ties go to the lower rank
+    assert split_learners([1.0, 100.0], 4) == (3, 1)  # every rank keeps one learner
+    for seconds in ([1.0, 2.0, 5.0], [0.3, 0.7], [2.0, 1.0, 1.0, 4.0]):
+        best = step_seconds(split_learners(seconds, 9), seconds)
+        every_split = [(a, b, 9 - a - b) for a in range(1, 8) for b in range(1, 9 - a)] if len(seconds) == 3 else None
+        if every_split is not None:  # brute force over all splits with one learner or more per rank
+            assert best == min(step_seconds(split, seconds) for split in every_split)
+    with pytest.raises(ValueError, match="3 learners cannot give each of 4 ranks one"):
+        split_learners([1.0] * 4, 3)
+
+
+def test_routed_samplers_of_all_ranks_cover_the_order_once_however_the_split_changes() -> None:
+    """Two ranks draw one order of 92 indices (12 batches of 8, the last of 4); the split changes at group 2."""
+    plans = [RoutingPlan((2, 2), rank) for rank in range(2)]
+    samplers = [RoutedSampler(range(92), BATCH, False, plan) for plan in plans]  # type: ignore[arg-type]
+    iterators = [iter(sampler) for sampler in samplers]
+    drawn: list[list[list[int]]] = [[], []]
+    for group in range(3):  # the ranks step through the groups together, as training does
+        if group == 2:
+            for plan in plans:
+                plan.schedule((3, 1), from_group=2)
+        for rank, iterator in enumerate(iterators):
+            drawn[rank].append(list(islice(iterator, plans[rank].share(group)[1] * BATCH)))
+    assert all(next(iterator, None) is None for iterator in iterators)
+    assert drawn[0] == [list(range(0, 16)), list(range(32, 48)), list(range(64, 88))]
+    assert drawn[1] == [list(range(16, 32)), list(range(48, 64)), list(range(88, 92))]
+    assert plans[0].uneven_groups == {2: (8, 8, 8, 4)}  # the order's short last batch falls in group 2
+    assert plans[0].learner_weights(2) == [4 * 8 / 28] * 3 and plans[1].learner_weights(2) == [4 * 4 / 28]
+    assert plans[0].learner_weights(1) is None  # full batches: equal weights
+
+
+def test_a_split_cannot_start_at_a_group_already_drawn() -> None:
+    plan = RoutingPlan((2, 2), 0)
+    plan.groups_drawn = 3
+    with pytest.raises(ValueError, match="group 2 is already drawn"):
+        plan.schedule((3, 1), from_group=2)
+    with pytest.raises(ValueError, match="one entry per rank"):
+        plan.schedule((3, 1, 1), from_group=3)
+
+
+# -------------------------------------------------------------------------- one process
+def test_one_process_heterogeneous_mode_gives_the_uniform_paths_values() -> None:
+    """With one rank the routing is the user's order, and full batches merge with equal weights: bitwise equal."""
+    results = []
+    for heterogeneous in (False, True):
+        model = Classifier(lr=0.1)
+        strategy = CrossbowStrategy(replicas_per_device=4, heterogeneous=heterogeneous)
+        trainer(strategy=strategy, max_epochs=2).fit(model, loader(make_data(num_samples=96)))
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_short_last_batch_weighs_by_its_samples() -> None:
+    """92 samples: the last batch has 4 of 8. z's update weighs it by 4/28 of the last step's samples."""
+    dataset = make_data(num_samples=92)
+    model = Classifier(optimizer="plain_sgd", lr=0.1)
+    strategy = CrossbowStrategy(replicas_per_device=4, outer_lr=2.0, heterogeneous=True)
+    trainer(strategy=strategy, max_epochs=2).fit(model, loader(dataset))
+    expected = reference_weighted_averaging(make_net(), dataset, num_learners=4, epochs=2, lr=0.1, eta=2.0)
+    for actual, wanted in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(actual.detach(), wanted)
+
+
+def test_heterogeneous_mode_refuses_a_sampler_it_cannot_reproduce_on_every_rank() -> None:
+    dataset = make_data(num_samples=32)
+    weighted = DataLoader(dataset, batch_size=8, sampler=WeightedRandomSampler([1.0] * 32, 32))
+    strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
+    with pytest.raises(ValueError, match="needs shuffle=True or False .* got a WeightedRandomSampler"):
+        trainer(strategy=strategy).fit(Classifier(), weighted)
+
+
+# ------------------------------------------------------------------------ two processes
+def _heterogeneous_run(out: Path, *extra: str) -> list[dict]:
+    out.mkdir(exist_ok=True)
+    result = _run(
+        out, "popen", "4", "--heterogeneous", "1,3", "--samples", "188", "--algorithm", "scaled_averaging",
+        "--outer-lr", "2.0", "--optimizer", "plain_sgd", *extra,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+def test_a_three_times_slower_rank_gets_a_quarter_of_the_learners_and_the_values_stay_exact(tmp_path: Path) -> None:
+    """K = 8 learners; rank 1's device takes 3x as long per learner-step (a virtual clock). After one window
+    the split is (6, 2), every sample is still trained on once per epoch, and z is the reference's."""
+    epochs = 4
+    ranks = _heterogeneous_run(tmp_path / "run", "--epochs", str(epochs))
+    assert [split for _, split in ranks[0]["splits"]] == [(4, 4), (6, 2)]
+    assert ranks[0]["replicas_per_device"] == 6 and ranks[1]["replicas_per_device"] == 2
+    assert ranks[0]["global_step"] == epochs * 3  # 24 batches of the common order per epoch, 8 per step
+    dataset_inputs = make_data(num_samples=188).tensors[0]
+    for epoch in range(epochs):
+        seen = torch.cat([ranks[0]["seen"][epoch], ranks[1]["seen"][epoch]])
+        assert seen.shape == dataset_inputs.shape
+        matches = (seen.unsqueeze(1) == dataset_inputs.unsqueeze(0)).all(-1)  # (seen, dataset) sample pairs
+        assert torch.equal(matches.sum(0), torch.ones(188, dtype=torch.long))  # each sample once
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
+    expected = reference_weighted_averaging(make_net(), make_data(num_samples=188), 8, epochs, lr=0.1, eta=2.0)
+    for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
+        torch.testing.assert_close(actual, wanted)
+
+
+def test_heterogeneous_resume_carries_on_with_the_measured_split_exactly(tmp_path: Path) -> None:
+    straight = _heterogeneous_run(tmp_path / "straight", "--epochs", "4")
+    checkpoint = str(tmp_path / "half.ckpt")
+    _heterogeneous_run(tmp_path / "half", "--epochs", "2", "--save", checkpoint)
+    resumed = _heterogeneous_run(tmp_path / "half", "--epochs", "4", "--resume", checkpoint)
+    assert resumed[0]["splits"][0][1] == (6, 2)  # the checkpoint's split, not an even one
+    for rank in range(2):
+        assert resumed[rank]["replicas_per_device"] == straight[rank]["replicas_per_device"]
+        for x, y in zip(straight[rank]["z"], resumed[rank]["z"], strict=True):
+            assert torch.equal(x, y)
+
+
+def test_speed_balancer_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        SpeedBalancer(every=0)
+    with pytest.raises(ValueError, match=r"min_gain must be in \[0, 1\)"):
+        SpeedBalancer(min_gain=1.0)
+    with pytest.raises(ValueError, match="heterogeneous must be True, False or a SpeedBalancer"):
+        CrossbowStrategy(heterogeneous="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not apply to algorithm='gossip'"):
+        CrossbowStrategy(heterogeneous=True, algorithm="gossip")
