@@ -40,6 +40,8 @@ bench: env
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/tuner.py
+	$(PY) benchmarks/heterogeneous.py
+	$(PY) benchmarks/heterogeneous.py --batch-size 64 --throughput-only --out benchmarks/out/heterogeneous_b64.json
 	$(PY) benchmarks/report.py
 
 bench-quick: env
@@ -48,6 +50,7 @@ bench-quick: env
 	$(PY) benchmarks/throughput.py --quick
 	$(PY) benchmarks/distributed.py --quick
 	$(PY) benchmarks/tuner.py --quick
+	$(PY) benchmarks/heterogeneous.py --quick
 	$(PY) benchmarks/report.py --quick
 
 clean:

@@ -92,8 +92,8 @@ class TestAccuracyCurve(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._train_seconds += time.perf_counter() - self._epoch_started
         strategy = trainer.strategy
-        if hasattr(strategy, "sync_center_buffers"):
-            strategy.sync_center_buffers()
+        if hasattr(strategy, "sync_center"):
+            strategy.sync_center()
         was_training = pl_module.training
         pl_module.eval()
         correct = total = 0

@@ -1,6 +1,7 @@
 """Writes benchmarks/RESULTS.md and the PNG plots in benchmarks/plots/ from the JSON in benchmarks/out/.
 
-    python benchmarks/report.py           # after hardware.py, accuracy.py, throughput.py, distributed.py, tuner.py
+    python benchmarks/report.py           # after hardware.py, accuracy.py, throughput.py, distributed.py, tuner.py,
+                                          # heterogeneous.py
     python benchmarks/report.py --quick   # after their --quick runs: benchmarks/out/quick/RESULTS.md, so the
                                           # committed full results are never overwritten by a quick run
 """
@@ -199,6 +200,59 @@ def tuner_section(data: dict[str, Any], plots: Path) -> list[str]:
     return lines
 
 
+def heterogeneous_section(data: dict[str, Any], plots: Path) -> list[str]:
+    lines = [
+        "## 6. Devices of different speed: heterogeneous against uniform mode",
+        "",
+        "Two CPU processes, 1 thread each; rank 1 is throttled to half speed (it sleeps as long as its forward and"
+        " backward took). Crossbow's default rule; the balancer measures every 20 steps.",
+        "",
+    ]
+    for run in (data, _load("heterogeneous_b64")):
+        if run is None:
+            continue
+        medians = run["median_samples_per_sec"]
+        splits = sorted({tuple(r["heterogeneous"]["split"]) for r in run["runs"]})
+        lines += [
+            f"`{run['command']}`: k={run['replicas_per_device']} per device (K={2 * run['replicas_per_device']}),"
+            f" per-replica batch {run['batch_size']}, {run['timed_steps']} timed steps after the balancer's first windows;"
+            f" medians of {len(run['runs'])} alternating repetitions.",
+            "",
+            "| configuration | samples/s |",
+            "|---|---|",
+            f"| uniform mode (k={run['replicas_per_device']} on each) | {medians['uniform']:.0f} |",
+            f"| heterogeneous mode (final splits {', '.join(str(s) for s in splits)}) | {medians['heterogeneous']:.0f} |",
+            f"| fast process alone, at its split's k | {medians['alone_fast']:.0f} |",
+            f"| slow process alone, at its split's k | {medians['alone_slow']:.0f} |",
+            "",
+            f"Heterogeneous / sum of the two alone: **{run['median_heterogeneous_over_sum_alone']:.2f}** (goal 0.9);"
+            f" heterogeneous / uniform: **{run['median_heterogeneous_over_uniform']:.2f}**. Without any throttle, two"
+            f" equal processes reach {run['median_unthrottled_two_over_twice_alone']:.2f} of twice one alone: what two"
+            " processes that synchronise every step cost on this 2-core machine (communication, and two busy processes"
+            " sharing it), whatever the balance. Against that ceiling, heterogeneous mode reaches"
+            f" {statistics.median(r['heterogeneous_over_sum_alone'] / r['unthrottled_two_over_twice_alone'] for r in run['runs']):.2f}"
+            " (median over repetitions of the ratio within each).",
+            "",
+        ]
+        if run.get("accuracy"):
+            lines += [
+                "Time to 90% MNIST-1D test accuracy (b=16, lr 0.02, rank 1 throttled; median of seeds, evaluation not"
+                " counted):",
+                "",
+                "| mode | epochs | seconds | reached |",
+                "|---|---|---|---|",
+            ]
+            for mode, row in run["accuracy"].items():
+                epochs = [r["epochs_to_target"] for r in row["runs"]]
+                seconds = [r["seconds_to_target"] for r in row["runs"]]
+                lines.append(
+                    f"| {mode} | {_fmt(row['median_epochs'], 0)}{_spread(epochs, 0)} | {_fmt(row['median_seconds'])}"
+                    f"{_spread(seconds)} | {row['reached']}/{len(row['runs'])} |"
+                )
+            lines.append("")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -211,6 +265,7 @@ def main() -> None:
         "throughput": overhead_section,
         "distributed": distributed_section,
         "tuner": tuner_section,
+        "heterogeneous": heterogeneous_section,
     }
     loaded = {name: _load(name) for name in sections}
     machine = next((d["machine"] for d in loaded.values() if d and "machine" in d), {})

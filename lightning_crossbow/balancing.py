@@ -1,18 +1,20 @@
-r"""SpeedBalancer: gives faster devices proportionally more learners (Adaptive SGD), from measured speed.
+r"""SpeedBalancer: gives faster devices more learners (Adaptive SGD), from measured speed.
 
 Each rank measures its own busy time per step ``T_r``: from the end of one step's averaging to the
 start of the next step's (data loading, forward, backward and the local optimizer step, but not the
-wait for slower ranks). With ``k_r`` learners on rank ``r``, its time per learner-step is
-``t_r = T_r / k_r``; a synchronous step then takes ``max_r k_r t_r``. :func:`split_learners` gives the
-split of ``K`` learners that minimises it, each rank at least one; the balancer switches to it when
-it is predicted to be at least ``min_gain`` faster than the split in force.
+wait for slower ranks). A synchronous step takes ``max_r T_r(k_r)``, with ``k_r`` learners on rank
+``r`` and ``T_r(k) = a_r + b_r k`` (:class:`StepTime`, fitted to the measurements).
+:func:`split_learners` gives the split of the ``K`` learners that minimises it, each rank at least
+one; the balancer switches to it when it is predicted to be at least ``min_gain`` faster than the
+split in force.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,58 +23,104 @@ from torch import Tensor
 from lightning_crossbow.routing import Split
 
 
-def split_learners(seconds_per_learner: Sequence[float], num_learners: int) -> Split:
-    r"""The split ``(k_r)`` of ``K`` learners, each ``k_r >= 1``, that minimises ``max_r k_r t_r``.
+@dataclass(frozen=True)
+class StepTime:
+    """``T(k) = fixed + per_learner * k``: a rank's busy seconds per step with ``k`` learners.
 
-    Greedy: from one learner per rank, each further learner goes to the rank whose step would then end
-    first (``argmin_r (k_r + 1) t_r``, the lowest rank on ties). For ``K`` large ``k_r`` tends to
-    ``K (1/t_r) / sum_q (1/t_q)``: learners in proportion to speed.
+    The fixed part (the step's per-call overheads: Python, hooks, kernel launches) matters: with a
+    purely proportional model a rank with fewer learners looks slower per learner than it is, and
+    the split drifts to the fast rank.
     """
-    ranks = len(seconds_per_learner)
+
+    fixed: float
+    per_learner: float
+
+    def __call__(self, learners: int) -> float:
+        return self.fixed + self.per_learner * learners
+
+    @classmethod
+    def fit(cls, seconds_by_learners: Mapping[int, float]) -> StepTime:
+        """Least squares through the measured ``(k, T)``; proportional (``T = (T_1 / k_1) k``) from one point,
+        or when the line would not rise with k or would start below 0."""
+        points = sorted(seconds_by_learners.items())
+        if len(points) >= 2:
+            ks, ts = [float(k) for k, _ in points], [t for _, t in points]
+            k_mean, t_mean = statistics.fmean(ks), statistics.fmean(ts)
+            slope = sum((k - k_mean) * (t - t_mean) for k, t in zip(ks, ts)) / sum((k - k_mean) ** 2 for k in ks)
+            intercept = t_mean - slope * k_mean
+            if slope > 0 and intercept >= 0:
+                return cls(intercept, slope)
+        k, t = points[-1]
+        return cls(0.0, t / k)
+
+
+def split_learners(step_times: Sequence[Callable[[int], float]], num_learners: int) -> Split:
+    r"""The split ``(k_r)`` of ``K`` learners, each ``k_r >= 1``, that minimises ``max_r T_r(k_r)``.
+
+    Greedy, which is optimal for step times that grow with k: from one learner per rank, each further
+    learner goes to the rank whose step would then end first (``argmin_r T_r(k_r + 1)``, the lowest rank
+    on ties). With ``T_r(k) = t_r k`` the learners go in proportion to speed, ``k_r ~ K (1/t_r) / sum_q 1/t_q``.
+    """
+    ranks = len(step_times)
     if num_learners < ranks:
         raise ValueError(f"{num_learners} learners cannot give each of {ranks} ranks one.")
-    if any(not t > 0 for t in seconds_per_learner):
-        raise ValueError(f"Times per learner-step must be positive, got {list(seconds_per_learner)}.")
     split = [1] * ranks
     for _ in range(num_learners - ranks):
-        rank = min(range(ranks), key=lambda r: ((split[r] + 1) * seconds_per_learner[r], r))
+        rank = min(range(ranks), key=lambda r: (step_times[r](split[r] + 1), r))
         split[rank] += 1
     return tuple(split)
 
 
-def step_seconds(split: Sequence[int], seconds_per_learner: Sequence[float]) -> float:
-    """``max_r k_r t_r``: how long a synchronous step takes with ``split``."""
-    return max(k * t for k, t in zip(split, seconds_per_learner, strict=True))
+def step_seconds(split: Sequence[int], step_times: Sequence[Callable[[int], float]]) -> float:
+    """``max_r T_r(k_r)``: how long a synchronous step takes with ``split``."""
+    return max(time_of(k) for k, time_of in zip(split, step_times, strict=True))
 
 
 class SpeedBalancer:
-    """Measures every rank's time per learner-step and re-splits the learners when that pays.
+    """Measures every rank's busy time per step and re-splits the learners when that pays.
+
+    Each window, every rank's median busy seconds per step ``T_r`` at its ``k_r`` are gathered (one small
+    all-gather). Per rank, the latest ``T`` at each of the last ``remember`` distinct k fit a
+    :class:`StepTime` model; :func:`split_learners` splits the same ``K`` by the models, and the
+    balancer switches when the predicted step is at least ``min_gain`` shorter. A first window at an
+    even split only gives proportional models; the next window at the new split corrects them.
 
     Args:
-        every: steps per measurement; the median step of the window is taken (robust to the steps that
-            hold an epoch's end, validation or a change of k).
+        every: steps per window; the window's median step counts (robust to the steps that hold an
+            epoch's end, validation or a change of k).
         min_gain: switch only when the new split's predicted step time is below ``(1 - min_gain)`` times
             the current one's (hysteresis against noise).
+        remember: distinct k per rank whose measurements the models keep (older ones are dropped, so the
+            models follow a device whose speed changes).
         clock: seconds as a float; tests inject one.
     """
 
-    def __init__(self, every: int = 20, min_gain: float = 0.05, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        every: int = 20,
+        min_gain: float = 0.05,
+        remember: int = 3,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int (steps per measurement), got {every!r}.")
+            raise ValueError(f"every must be a positive int (steps per window), got {every!r}.")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}.")
+        if isinstance(remember, bool) or not isinstance(remember, int) or remember < 1:
+            raise ValueError(f"remember must be a positive int (distinct k per rank), got {remember!r}.")
         self.every = every
         self.min_gain = min_gain
+        self.remember = remember
         self.clock = clock
         self._busy_since: Optional[float] = None
-        self._window: list[float] = []  # this rank's seconds per learner-step, one per step
-        #: The last measured seconds per learner-step of every rank (None before the first window).
-        self.seconds_per_learner: Optional[list[float]] = None
+        self._window: list[float] = []  # this rank's busy seconds, one per step
+        #: Per rank, measured busy seconds per step by k (insertion order: oldest first).
+        self.measured: list[dict[int, float]] = []
         #: ``(step, split)`` for every split put in force, the first one included.
         self.history: list[tuple[int, Split]] = []
 
     def restart(self) -> None:
-        """Forgets the step in progress (after validation, or at a new fit)."""
+        """Forgets the step in progress and the window (at a new fit)."""
         self._busy_since = None
         self._window.clear()
 
@@ -80,33 +128,48 @@ class SpeedBalancer:
         """Called when a step's averaging ends: this rank is busy with its own work from now on."""
         self._busy_since = self.clock()
 
-    def work_done(self, local_learners: int) -> bool:
-        """Called before a step's averaging starts; returns whether a window is complete (every rank
+    def work_done(self) -> bool:
+        """Called before a step's averaging starts; returns whether the window is complete (every rank
         completes it at the same step, so every rank then calls :meth:`rebalance`)."""
         if self._busy_since is not None:
-            self._window.append((self.clock() - self._busy_since) / local_learners)
+            self._window.append(self.clock() - self._busy_since)
         self._busy_since = None
         return len(self._window) >= self.every
+
+    def step_times(self) -> Optional[list[StepTime]]:
+        """Every rank's fitted model, or None before the first window."""
+        if not self.measured:
+            return None
+        return [StepTime.fit(by_k) for by_k in self.measured]
 
     def rebalance(
         self, split: Split, all_gather: Callable[[Tensor], Tensor], groups_drawn: int
     ) -> tuple[Optional[Split], int]:
-        """Ends a window: gathers every rank's median time per learner-step (and how far its data has been
-        drawn), and returns ``(new split or None, the first group no rank has drawn)``."""
+        """Ends a window: gathers every rank's median busy seconds at its k (and how far its data has been
+        drawn); returns ``(new split or None, the first group no rank has drawn)``."""
         mine = statistics.median(self._window) if self._window else float("nan")
         self._window.clear()
         gathered = all_gather(torch.tensor([mine, float(groups_drawn)], dtype=torch.float64))
         seconds, first_free_group = gathered[:, 0].tolist(), int(gathered[:, 1].max())
         if not all(t > 0 for t in seconds):  # a rank had no measured step (nan) or a broken clock
             return None, first_free_group
-        self.seconds_per_learner = seconds
-        best = split_learners(seconds, sum(split))
-        if step_seconds(best, seconds) < (1.0 - self.min_gain) * step_seconds(split, seconds):
+        if len(self.measured) != len(split):
+            self.measured = [{} for _ in split]
+        for by_k, k, t in zip(self.measured, split, seconds):
+            by_k.pop(k, None)  # re-inserted as the newest
+            by_k[k] = t
+            while len(by_k) > self.remember:
+                del by_k[next(iter(by_k))]
+        models = self.step_times()
+        assert models is not None
+        best = split_learners(models, sum(split))
+        if step_seconds(best, models) < (1.0 - self.min_gain) * step_seconds(split, models):
             return best, first_free_group
         return None, first_free_group
 
     def split_for(self, num_learners: int, ranks: int) -> Split:
-        """The split of ``num_learners`` by the last measured speeds; as even as possible before any."""
-        if self.seconds_per_learner is None:
-            return split_learners([1.0] * ranks, num_learners)
-        return split_learners(self.seconds_per_learner, num_learners)
+        """The split of ``num_learners`` by the models measured so far; as even as possible before any."""
+        models = self.step_times()
+        if models is None or len(models) != ranks:
+            return split_learners([StepTime(0.0, 1.0)] * ranks, num_learners)
+        return split_learners(models, num_learners)

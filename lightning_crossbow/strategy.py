@@ -599,7 +599,7 @@ class CrossbowStrategy(DDPStrategy):
             optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
         )
         diverged = self._diverged_replicas()
-        window_done = self.balancer is not None and self.balancer.work_done(self.stack.num_replicas)
+        window_done = self.balancer is not None and self.balancer.work_done()
         step = StepContext(
             num_learners=self.num_learners,
             step=self.lightning_module.trainer.global_step,
@@ -644,9 +644,9 @@ class CrossbowStrategy(DDPStrategy):
             return
         self.routing.schedule(split, first_free_group)
         self.balancer.history.append((self.lightning_module.trainer.global_step, split))
-        seconds = ", ".join(f"{t * 1e3:.2f}" for t in self.balancer.seconds_per_learner or ())
+        models = ", ".join(f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} k" for m in self.balancer.step_times() or ())
         rank_zero_info(
-            f"crossbow: ms per learner-step by rank: {seconds}; learners per rank {self._split} -> {split}"
+            f"crossbow: busy ms per step by rank: {models}; learners per rank {self._split} -> {split}"
             f" from step group {first_free_group}."
         )
 

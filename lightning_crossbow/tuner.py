@@ -23,6 +23,9 @@ device's free memory: RAM on CPU, the accelerator's free memory on CUDA), and be
 the strategy ran out of memory (it backs off one replica and retries the step by itself).
 
 In multi-process runs rank 0 decides and broadcasts; every rank applies the same k at the same step.
+With ``CrossbowStrategy(heterogeneous=True)`` the tuned k is the mean per device (``K = k x world_size``
+learners) and samples/s the mean per device; the strategy's balancer splits ``K`` over the ranks by
+their measured speed.
 """
 
 from __future__ import annotations

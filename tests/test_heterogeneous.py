@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from lightning_crossbow import CrossbowStrategy, SpeedBalancer
-from lightning_crossbow.balancing import split_learners, step_seconds
+from lightning_crossbow.balancing import StepTime, split_learners, step_seconds
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
 from tests.helpers import Classifier, loader, make_data, make_net, trainer
 from tests.test_multiprocess import _run
@@ -49,17 +49,43 @@ def reference_weighted_averaging(
 
 # ----------------------------------------------------------------------------- pure pieces
 def test_split_learners_minimises_the_slowest_ranks_step() -> None:
-    assert split_learners([1.0, 3.0], 8) == (6, 2)  # learners in proportion to speed: 3 to 1
-    assert split_learners([1.0, 1.0], 8) == (4, 4)
-    assert split_learners([1.0, 1.0], 5) == (3, 2)  # ties go to the lower rank
-    assert split_learners([1.0, 100.0], 4) == (3, 1)  # every rank keeps one learner
-    for seconds in ([1.0, 2.0, 5.0], [0.3, 0.7], [2.0, 1.0, 1.0, 4.0]):
-        best = step_seconds(split_learners(seconds, 9), seconds)
-        every_split = [(a, b, 9 - a - b) for a in range(1, 8) for b in range(1, 9 - a)] if len(seconds) == 3 else None
-        if every_split is not None:  # brute force over all splits with one learner or more per rank
-            assert best == min(step_seconds(split, seconds) for split in every_split)
+    proportional = [StepTime(0.0, 1.0), StepTime(0.0, 3.0)]
+    assert split_learners(proportional, 8) == (6, 2)  # learners in proportion to speed: 3 to 1
+    assert split_learners([StepTime(0.0, 1.0)] * 2, 8) == (4, 4)
+    assert split_learners([StepTime(0.0, 1.0)] * 2, 5) == (3, 2)  # ties go to the lower rank
+    assert split_learners([StepTime(0.0, 1.0), StepTime(0.0, 100.0)], 4) == (3, 1)  # every rank keeps one
+    # A fixed cost per step: the slow rank's fixed part (8) is most of its step, so it gets far fewer than 1/3.
+    assert split_learners([StepTime(4.0, 1.0), StepTime(8.0, 2.0)], 12) == (10, 2)  # steps of 14 and 12
+    for models in (
+        [StepTime(0.0, 1.0), StepTime(0.0, 2.0), StepTime(0.0, 5.0)],
+        [StepTime(3.0, 1.0), StepTime(1.0, 2.0), StepTime(0.5, 0.7)],
+    ):  # brute force over every split of 9 learners with one or more per rank
+        every_split = [(a, b, 9 - a - b) for a in range(1, 8) for b in range(1, 9 - a)]
+        assert step_seconds(split_learners(models, 9), models) == min(step_seconds(s, models) for s in every_split)
     with pytest.raises(ValueError, match="3 learners cannot give each of 4 ranks one"):
-        split_learners([1.0] * 4, 3)
+        split_learners(proportional * 2, 3)
+
+
+def test_step_time_fits_the_fixed_and_the_per_learner_cost() -> None:
+    assert StepTime.fit({4: 6.0, 6: 8.0}) == StepTime(2.0, 1.0)
+    assert StepTime.fit({2: 4.0, 4: 6.0, 6: 8.0}) == StepTime(2.0, 1.0)
+    assert StepTime.fit({4: 6.0}) == StepTime(0.0, 1.5)  # one point: proportional
+    assert StepTime.fit({4: 6.0, 6: 5.0}) == StepTime(0.0, 5.0 / 6.0)  # falling with k (noise): the newest, proportional
+
+
+def test_the_balancer_corrects_a_proportional_first_guess_with_a_second_window() -> None:
+    """Rank 0: T(k) = 4 + k; rank 1: 8 + 2.5 k. The first window (6, 6) suggests proportional models;
+    the second, at the new split, reveals the fixed cost and moves to the optimum."""
+    truth = [StepTime(4.0, 1.0), StepTime(8.0, 2.5)]
+    balancer = SpeedBalancer(every=1, min_gain=0.0)
+    split: tuple[int, ...] = (6, 6)
+    for _ in range(3):
+        times = [truth[rank](k) for rank, k in enumerate(split)]
+        balancer._window = [0.0]  # (replaced by the gathered times below)
+        new, _ = balancer.rebalance(split, lambda row: torch.tensor([[t, 0.0] for t in times]), groups_drawn=0)
+        split = new or split
+    best = min(((a, 12 - a) for a in range(1, 12)), key=lambda s: step_seconds(s, truth))
+    assert split == best == (10, 2)
 
 
 def test_routed_samplers_of_all_ranks_cover_the_order_once_however_the_split_changes() -> None:
@@ -124,10 +150,10 @@ def test_heterogeneous_mode_refuses_a_sampler_it_cannot_reproduce_on_every_rank(
 
 
 # ------------------------------------------------------------------------ two processes
-def _heterogeneous_run(out: Path, *extra: str) -> list[dict]:
+def _heterogeneous_run(out: Path, *extra: str, k: int = 4) -> list[dict]:
     out.mkdir(exist_ok=True)
     result = _run(
-        out, "popen", "4", "--heterogeneous", "1,3", "--samples", "188", "--algorithm", "scaled_averaging",
+        out, "popen", str(k), "--heterogeneous", "1,3", "--samples", "188", "--algorithm", "scaled_averaging",
         "--outer-lr", "2.0", "--optimizer", "plain_sgd", *extra,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -176,3 +202,20 @@ def test_speed_balancer_arguments_are_checked() -> None:
         CrossbowStrategy(heterogeneous="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not apply to algorithm='gossip'"):
         CrossbowStrategy(heterogeneous=True, algorithm="gossip")
+
+
+def test_the_tuner_sets_the_mean_k_and_the_balancer_splits_it(tmp_path: Path) -> None:
+    """The tuner grows K = k x 2 while the balancer gives the 3x faster rank most learners; every step,
+    both ranks cut the same group of the common order, and no sample is trained on twice in an epoch."""
+    ranks = _heterogeneous_run(tmp_path / "run", "--epochs", "3", "--tune", k=1)
+    sizes = [ranks[rank]["group_sizes"] for rank in range(2)]
+    totals = [a + b for a, b in zip(*sizes, strict=True)]
+    assert totals[0] == 2 and max(totals) > 2, "the tuner never grew k"  # from k=1 per device (K=2) up to k=3
+    assert any(a != b for a, b in zip(*sizes)), "the balancer never split the learners unevenly"
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
+    dataset_inputs = make_data(num_samples=188).tensors[0]
+    for epoch in range(3):
+        seen = torch.cat([ranks[0]["seen"][epoch], ranks[1]["seen"][epoch]])
+        matches = (seen.unsqueeze(1) == dataset_inputs.unsqueeze(0)).all(-1)
+        assert int(matches.sum(0).max()) == 1 and len(seen) > 188 - 8 * max(totals)

@@ -170,4 +170,7 @@ def test_a_tuned_k_is_the_same_on_every_rank_at_every_step(tmp_path: Path) -> No
 def test_ranks_with_different_configurations_fail_with_a_clear_error(tmp_path: Path) -> None:
     result = _run(tmp_path, "popen", "2", "--mismatch")
     assert result.returncode != 0
-    assert "the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, outer_lr, warmup_epochs, engine)" in result.stderr
+    assert (
+        "the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, outer_lr, warmup_epochs, engine,"
+        " heterogeneous)" in result.stderr
+    )

@@ -1,0 +1,233 @@
+"""Heterogeneous devices: two CPU processes, one throttled to half speed, uniform against heterogeneous mode.
+
+Rank 1 stands for a device of half the speed: in every step, once its forward and backward are done,
+it sleeps as long as they took (``Throttle``), so the same work takes it twice as long; while it
+sleeps its core is idle, as a slower device's would be to the other one. Each process runs 1 torch
+thread on its own core of this 2-core machine.
+
+1. Samples/s on the MNIST-1D CNN, b=16: uniform mode (k per device), heterogeneous mode (K = 2k split
+   by measured speed), and each process alone (one process with the k heterogeneous mode gave it, rank
+   1's alone with the throttle). Goal: heterogeneous >= 0.9 x the sum of the two alone. Runs alternate,
+   each ratio is taken within one repetition, and the median over repetitions is reported.
+   For scale, the same without any throttle: two equal processes (uniform) against twice one alone,
+   which is what synchronising every step costs on this machine whatever the balance.
+2. Time to 90% MNIST-1D test accuracy, uniform against heterogeneous mode, both with rank 1 throttled
+   (median of seeds; evaluation not counted).
+
+Every measurement is its own launch (``--phase``), so "alone" really is one process.
+
+    python benchmarks/heterogeneous.py            # k=6 per device; 3 repetitions, 3 seeds
+    python benchmarks/heterogeneous.py --quick    # 1 repetition, 1 seed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.accuracy import WORKLOADS, TestAccuracyCurve, _median  # noqa: E402
+from benchmarks.throughput import StepTimer, bare_trainer, save_result  # noqa: E402
+from examples.models import Classifier, conv1d_net  # noqa: E402
+from lightning_crossbow import CrossbowStrategy  # noqa: E402
+
+SLOW_RANK, SLOWDOWN = 1, 2.0
+BATCH = int(os.environ.get("CROSSBOW_BENCH_BATCH", 16))  # per-replica batch (set by --batch-size)
+
+
+class Throttle(L.Callback):
+    """Makes this process a device ``slowdown`` times slower: after forward and backward, it sleeps
+    ``slowdown - 1`` times as long as they took."""
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown = slowdown
+        self._started = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any) -> None:
+        time.sleep((self.slowdown - 1.0) * (time.perf_counter() - self._started))
+
+
+class SplitRecorder(L.Callback):
+    """The learners per rank at the end of training, the balancer's splits over time and its fitted models."""
+
+    split: Optional[tuple[int, ...]] = None
+    history: Optional[list] = None
+    models_ms: Optional[list] = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        balancer = getattr(strategy, "balancer", None)
+        if balancer is not None:
+            self.split, self.history = strategy._split, balancer.history
+            self.models_ms = [(1e3 * m.fixed, 1e3 * m.per_learner) for m in balancer.step_times() or ()]
+
+
+def _strategy(mode: str, k: int) -> CrossbowStrategy:
+    return CrossbowStrategy(k, heterogeneous=mode == "heterogeneous")
+
+
+def _throttled(rank: int) -> list[L.Callback]:
+    slowdown = float(os.environ.get("CROSSBOW_BENCH_SLOWDOWN", SLOWDOWN))  # (1 for a check without throttling)
+    return [Throttle(slowdown)] if rank == SLOW_RANK and slowdown != 1.0 else []
+
+
+def throughput_phase(mode: str, k: int, devices: int, rank_alone: int, steps: int, warmup: int) -> dict[str, Any]:
+    """samples/s over all processes of ``steps`` steps after ``warmup`` (which covers the balancer's first windows)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    n = (warmup + steps + 1) * k * devices * BATCH
+    data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
+    timer, splits = StepTimer(warmup), SplitRecorder()
+    trainer = bare_trainer(_strategy(mode, k), devices=devices, callbacks=[timer, splits], max_steps=warmup + steps)
+    rank = rank_alone if devices == 1 else int(os.environ.get("LOCAL_RANK", 0))
+    trainer.callbacks.extend(_throttled(rank))
+    trainer.fit(Classifier(conv1d_net(40, 10), lr=0.01), DataLoader(data, batch_size=BATCH))
+    learners = sum(splits.split) if splits.split else k * devices
+    return {
+        "samples_per_sec": timer.steps * learners * BATCH / (timer.end - timer.start),
+        "split": splits.split,
+        "splits": splits.history,
+        "step_models_ms": splits.models_ms,
+    }
+
+
+def accuracy_phase(mode: str, k: int, seed: int, max_epochs: int) -> dict[str, Any]:
+    """Epochs and training seconds to 90% MNIST-1D test accuracy on 2 processes, rank 1 throttled."""
+    torch.set_num_threads(1)
+    workload = WORKLOADS["mnist1d"]
+    L.seed_everything(seed, verbose=False)
+    data = workload.data(BATCH, seed)
+    data.setup("fit")
+    curve, splits = TestAccuracyCurve(data.test_dataloader(), workload.target), SplitRecorder()
+    trainer = bare_trainer(
+        _strategy(mode, k), devices=2, max_epochs=max_epochs, callbacks=[curve, splits], num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )  # fmt: skip
+    trainer.callbacks.extend(_throttled(int(os.environ.get("LOCAL_RANK", 0))))
+    trainer.fit(Classifier(workload.net(), lr=workload.lr), train_dataloaders=data.train_dataloader())
+    reached = next((point for point in curve.curve if point["test_acc"] >= workload.target), None)
+    return {
+        "seed": seed,
+        "epochs_to_target": reached["epoch"] if reached else None,
+        "seconds_to_target": reached["wall_s"] if reached else None,
+        "best_test_acc": max(point["test_acc"] for point in curve.curve),
+        "split": splits.split,
+        "splits": splits.history,
+    }
+
+
+def _launch(out: Path, *phase: str, throttle: bool = True) -> dict[str, Any]:
+    """Runs one phase in a fresh launch (Lightning starts the second process itself) and returns rank 0's result."""
+    command = [sys.executable, __file__, "--phase", *phase, "--result", str(out)]
+    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["CROSSBOW_BENCH_BATCH"] = str(BATCH)
+    if not throttle:
+        env["CROSSBOW_BENCH_SLOWDOWN"] = "1"
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--replicas", type=int, default=6, help="k per device (K = 2k learners in all)")
+    parser.add_argument("--batch-size", type=int, default=16, help="per-replica batch size")
+    parser.add_argument("--throughput-only", action="store_true", help="skip the time-to-accuracy runs")
+    parser.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / "heterogeneous.json")
+    args = parser.parse_args()
+    global BATCH
+    BATCH = args.batch_size if not args.phase else BATCH
+    k = args.replicas
+    steps, warmup = (60, 45) if args.quick else (150, 45)
+    if args.phase:  # inside one launch
+        kind, mode, *rest = args.phase
+        if kind == "throughput":
+            devices, rank_alone, split_k = int(rest[0]), int(rest[1]), int(rest[2])
+            result = throughput_phase(mode, split_k if devices == 1 else k, devices, rank_alone, steps, warmup)
+        else:
+            result = accuracy_phase(mode, k, seed=int(rest[0]), max_epochs=15 if args.quick else 40)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            args.result.write_text(json.dumps(result))
+        return
+
+    repeats, seeds = (1, [0]) if args.quick else (3, [0, 1, 2])
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "result.json"
+        for repeat in range(repeats):
+            heterogeneous = _launch(out, "throughput", "heterogeneous", "2", "0", "0")
+            split = heterogeneous["split"]
+            run = {
+                "heterogeneous": heterogeneous,
+                "uniform": _launch(out, "throughput", "uniform", "2", "0", "0"),
+                "alone": [_launch(out, "throughput", "uniform", "1", str(rank), str(split[rank]))["samples_per_sec"] for rank in range(2)],
+            }
+            run["heterogeneous_over_sum_alone"] = heterogeneous["samples_per_sec"] / sum(run["alone"])
+            run["heterogeneous_over_uniform"] = heterogeneous["samples_per_sec"] / run["uniform"]["samples_per_sec"]
+            equal_pair = _launch(out, "throughput", "uniform", "2", "0", "0", throttle=False)["samples_per_sec"]
+            equal_alone = _launch(out, "throughput", "uniform", "1", "0", str(k), throttle=False)["samples_per_sec"]
+            run["unthrottled"] = {"two_processes": equal_pair, "one_alone": equal_alone}
+            run["unthrottled_two_over_twice_alone"] = equal_pair / (2 * equal_alone)
+            runs.append(run)
+            print(f"repeat {repeat}: split {split}, samples/s heterogeneous {heterogeneous['samples_per_sec']:.0f},"
+                  f" uniform {run['uniform']['samples_per_sec']:.0f}, alone {run['alone'][0]:.0f} + {run['alone'][1]:.0f};"
+                  f" heterogeneous / sum alone {run['heterogeneous_over_sum_alone']:.2f},"
+                  f" / uniform {run['heterogeneous_over_uniform']:.2f}; unthrottled, 2 processes / twice one alone"
+                  f" {run['unthrottled_two_over_twice_alone']:.2f}", flush=True)
+        accuracy: dict[str, Any] = {}
+        for mode in () if args.throughput_only else ("uniform", "heterogeneous"):
+            results = [_launch(out, "accuracy", mode, str(seed)) for seed in seeds]
+            accuracy[mode] = {
+                "runs": results,
+                "median_epochs": _median([r["epochs_to_target"] for r in results]),
+                "median_seconds": _median([r["seconds_to_target"] for r in results]),
+                "reached": sum(r["epochs_to_target"] is not None for r in results),
+            }
+            print(f"to 90% MNIST-1D, {mode}: epochs {accuracy[mode]['median_epochs']},"
+                  f" seconds {accuracy[mode]['median_seconds']}, reached {accuracy[mode]['reached']}/{len(seeds)}", flush=True)
+    command = "python benchmarks/heterogeneous.py" + (" --quick" if args.quick else "")
+    if args.batch_size != 16:
+        command += f" --batch-size {args.batch_size}"
+    if args.throughput_only:
+        command += " --throughput-only"
+    save_result(
+        args.out,
+        command,
+        replicas_per_device=k,
+        batch_size=BATCH,
+        slowdown=SLOWDOWN,
+        timed_steps=steps,
+        runs=runs,
+        median_heterogeneous_over_sum_alone=statistics.median(r["heterogeneous_over_sum_alone"] for r in runs),
+        median_heterogeneous_over_uniform=statistics.median(r["heterogeneous_over_uniform"] for r in runs),
+        median_unthrottled_two_over_twice_alone=statistics.median(r["unthrottled_two_over_twice_alone"] for r in runs),
+        median_samples_per_sec={
+            "heterogeneous": statistics.median(r["heterogeneous"]["samples_per_sec"] for r in runs),
+            "uniform": statistics.median(r["uniform"]["samples_per_sec"] for r in runs),
+            "alone_fast": statistics.median(r["alone"][0] for r in runs),
+            "alone_slow": statistics.median(r["alone"][1] for r in runs),
+        },
+        accuracy=accuracy,
+    )
+
+
+if __name__ == "__main__":
+    main()
