@@ -150,10 +150,10 @@ def test_heterogeneous_mode_refuses_a_sampler_it_cannot_reproduce_on_every_rank(
 
 
 # ------------------------------------------------------------------------ two processes
-def _heterogeneous_run(out: Path, *extra: str, k: int = 4) -> list[dict]:
+def _heterogeneous_run(out: Path, *extra: str, k: int = 4, costs: str = "1,3") -> list[dict]:
     out.mkdir(exist_ok=True)
     result = _run(
-        out, "popen", str(k), "--heterogeneous", "1,3", "--samples", "188", "--algorithm", "scaled_averaging",
+        out, "popen", str(k), "--heterogeneous", costs, "--samples", "188", "--algorithm", "scaled_averaging",
         "--outer-lr", "2.0", "--optimizer", "plain_sgd", *extra,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -178,6 +178,15 @@ def test_a_three_times_slower_rank_gets_a_quarter_of_the_learners_and_the_values
         assert torch.equal(a, b)
     expected = reference_weighted_averaging(make_net(), make_data(num_samples=188), 8, epochs, lr=0.1, eta=2.0)
     for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
+        torch.testing.assert_close(actual, wanted)
+
+
+def test_equal_devices_keep_the_even_split_and_the_uniform_rule(tmp_path: Path) -> None:
+    ranks = _heterogeneous_run(tmp_path / "run", "--epochs", "2", costs="1,1")
+    assert [split for _, split in ranks[0]["splits"]] == [(4, 4)]
+    assert ranks[0]["group_sizes"] == ranks[1]["group_sizes"] == [4] * 6
+    expected = reference_weighted_averaging(make_net(), make_data(num_samples=188), 8, 2, lr=0.1, eta=2.0)
+    for actual, wanted in zip(ranks[1]["z"], expected, strict=True):
         torch.testing.assert_close(actual, wanted)
 
 
