@@ -95,6 +95,9 @@ class RoutedBatchLoader(ReplicaBatchLoader):
 
     def __iter__(self) -> Iterator[list[Any]]:
         self._order_batches_taken = 0
+        # Groups an abandoned pass drew ahead of training (limit_train_batches, max_steps) were never trained:
+        # the new pass draws from where training is (every rank is there too).
+        self.plan.groups_drawn = self.plan.groups_trained
         for group in super().__iter__():
             self.current_group = self.plan.groups_trained
             self.num_replicas = len(group)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import copy
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
@@ -228,3 +230,35 @@ def test_the_tuner_sets_the_mean_k_and_the_balancer_splits_it(tmp_path: Path) ->
         seen = torch.cat([ranks[0]["seen"][epoch], ranks[1]["seen"][epoch]])
         matches = (seen.unsqueeze(1) == dataset_inputs.unsqueeze(0)).all(-1)
         assert int(matches.sum(0).max()) == 1 and len(seen) > 188 - 8 * max(totals)
+
+
+class ChangeKAt(Callback):
+    """Sets replicas_per_device to ``k`` once, before step ``step``; records the inputs trained on per epoch."""
+
+    def __init__(self, step: int, k: int) -> None:
+        self.step, self.k = step, k
+        self.seen: dict[int, list[Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.setdefault(trainer.current_epoch, []).extend(x for x, _ in batch)
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.strategy.set_replicas_per_device(self.k)
+
+
+def test_a_k_change_with_loader_workers_drawing_ahead_keeps_every_sample_once() -> None:
+    """A worker prefetches indices of later groups; the new K starts at a group no one has drawn, and the
+    epoch still trains on every sample once (but a last group of fewer than K batches)."""
+    dataset = make_data(num_samples=160)  # 20 batches: 5 groups at K=4, then K=3 ...
+    recorder = ChangeKAt(step=2, k=3)
+    strategy = CrossbowStrategy(replicas_per_device=4, heterogeneous=True)
+    train = loader(dataset, num_workers=1, prefetch_factor=4)
+    trainer(strategy=strategy, max_epochs=2, callbacks=[recorder]).fit(Classifier(), train)
+    inputs = dataset.tensors[0]
+    for epoch, rows in recorder.seen.items():
+        seen = torch.cat(rows)
+        counts = (seen.unsqueeze(1) == inputs.unsqueeze(0)).all(-1).sum(0)
+        assert int(counts.max()) == 1, f"epoch {epoch}: a sample was trained on twice"
+        assert len(seen) >= 160 - 8 * 2  # at most K-1 = 2 batches skipped at the epoch's end
+    assert strategy.replicas_per_device == 3
