@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import bare_trainer, machine  # noqa: E402
+from benchmarks.throughput import bare_trainer, machine, results_dir  # noqa: E402
 from examples.data import MNIST1D, ArrayDataModule, Digits  # noqa: E402
 from examples.models import Classifier, conv1d_net, mlp  # noqa: E402
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
@@ -210,7 +210,8 @@ def main() -> None:
         "scale": SCALE,
         "workloads": {},
     }
-    previous = json.loads((OUT / "accuracy.json").read_text()) if args.configs and (OUT / "accuracy.json").exists() else None
+    out = results_dir(args.quick) / "accuracy.json"
+    previous = json.loads(out.read_text()) if args.configs and out.exists() else None
     if previous is not None:  # keep the other configurations' results, and say which were run again
         results["workloads"] = previous["workloads"]
         results["command"] = previous["command"]
@@ -237,8 +238,8 @@ def main() -> None:
             print(f"{name:<8} {config_name:<32} epochs {row['median_epochs']}  seconds {row['median_seconds']}"
                   f"  reached {row['reached']}/{len(runs)}  best acc {row['median_best_acc']:.3f}", flush=True)
         results["workloads"][name] = {"target": workload.target, "lr": workload.lr, "max_epochs": max_epochs, "configs": table}
-    OUT.mkdir(exist_ok=True)
-    (OUT / "accuracy.json").write_text(json.dumps(results, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import StepTimer, bare_trainer, save_result
+from benchmarks.throughput import StepTimer, bare_trainer, results_dir, save_result
 from examples.models import Classifier, conv1d_net
 from lightning_crossbow import CrossbowStrategy
 
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / "distributed.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/out/distributed.json (out/quick/ with --quick)")
     args = parser.parse_args()
     repeats, steps, warmup = (1, 30, 5) if args.quick else (3, 60, 10)
     k, b = args.replicas, args.batch_size
@@ -168,7 +168,7 @@ def main() -> None:
     print(f"crossbow / ddp samples/s (median of paired runs): {ratio:.2f}")
     command = "python benchmarks/distributed.py" + (" --quick" if args.quick else "")
     save_result(
-        args.out, command, repeats=repeats, timed_steps=steps, runs=measured, median=summary, crossbow_over_ddp=ratio
+        args.out or results_dir(args.quick) / "distributed.json", command, repeats=repeats, timed_steps=steps, runs=measured, median=summary, crossbow_over_ddp=ratio
     )
 
 

@@ -17,10 +17,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import samples_per_second, save_result  # noqa: E402
+from benchmarks.throughput import results_dir, samples_per_second, save_result  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
 
-OUT = Path(__file__).with_name("out")
 
 
 def grid(ks: list[int], batch_sizes: list[int]) -> dict[str, tuple[Any, int, int]]:
@@ -67,7 +66,7 @@ def main() -> None:
                     "over_plain_kb": statistics.median(x / y for x, y in zip(measured[name], plain_kb)),
                 })
     command = "python benchmarks/hardware.py" + (" --quick" if args.quick else "")
-    save_result(OUT / "hardware.json", command, repeats=repeats, timed_steps=steps, rows=rows)
+    save_result(results_dir(args.quick) / "hardware.json", command, repeats=repeats, timed_steps=steps, rows=rows)
     print(f"{'k':>3} {'b':>3} {'engine':<10} {'samples/s':>10} {'/ plain b':>10} {'/ plain k*b':>12}")
     for r in rows:
         print(f"{r['k']:>3} {r['b']:>3} {r['engine']:<10} {r['samples_per_sec']:>10.0f} {r['over_plain_b']:>10.2f} {r['over_plain_kb']:>12.2f}")

@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.accuracy import WORKLOADS, TestAccuracyCurve, _median  # noqa: E402
-from benchmarks.throughput import StepTimer, bare_trainer, save_result  # noqa: E402
+from benchmarks.throughput import StepTimer, bare_trainer, results_dir, save_result  # noqa: E402
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
 
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--throughput-only", action="store_true", help="skip the time-to-accuracy runs")
     parser.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / "heterogeneous.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/out/heterogeneous.json (out/quick/ with --quick)")
     args = parser.parse_args()
     global BATCH
     BATCH = args.batch_size if not args.phase else BATCH
@@ -209,7 +209,7 @@ def main() -> None:
     if args.throughput_only:
         command += " --throughput-only"
     save_result(
-        args.out,
+        args.out or results_dir(args.quick) / "heterogeneous.json",
         command,
         replicas_per_device=k,
         batch_size=BATCH,

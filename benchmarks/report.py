@@ -2,8 +2,8 @@
 
     python benchmarks/report.py           # after hardware.py, accuracy.py, throughput.py, distributed.py, tuner.py,
                                           # heterogeneous.py
-    python benchmarks/report.py --quick   # after their --quick runs: benchmarks/out/quick/RESULTS.md, so the
-                                          # committed full results are never overwritten by a quick run
+    python benchmarks/report.py --quick   # after their --quick runs (JSON in benchmarks/out/quick/):
+                                          # benchmarks/out/quick/RESULTS.md, so the committed results stay as they are
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
 
 
+#: Where the benchmarks' JSON is read from: ``benchmarks/out/``, or ``benchmarks/out/quick/`` with ``--quick``.
+SOURCE = OUT
+
+
 def _load(name: str) -> Optional[dict[str, Any]]:
-    path = OUT / f"{name}.json"
+    path = SOURCE / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -256,7 +260,10 @@ def heterogeneous_section(data: dict[str, Any], plots: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    where = OUT / "quick" if parser.parse_args().quick else HERE
+    global SOURCE
+    quick = parser.parse_args().quick
+    SOURCE = OUT / "quick" if quick else OUT
+    where = OUT / "quick" if quick else HERE
     results, plots = where / "RESULTS.md", where / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     sections = {

@@ -90,6 +90,13 @@ def machine() -> dict[str, Any]:
     }
 
 
+def results_dir(quick: bool) -> Path:
+    """Where a benchmark writes its JSON: ``benchmarks/out/``, or ``benchmarks/out/quick/`` for ``--quick`` runs
+    (so a quick run never overwrites the full results that RESULTS.md is written from)."""
+    out = Path(__file__).with_name("out")
+    return out / "quick" if quick else out
+
+
 def save_result(path: Path, command: str, **fields: Any) -> None:
     """Writes ``fields`` as JSON at ``path``, with the machine and the command that measured them."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +120,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--repeats", type=int, help="repetitions (default 5, or 3 with --quick)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / "throughput.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/out/throughput.json (out/quick/ with --quick)")
     args = parser.parse_args()
     repeats, steps, warmup = (3, 40, 10) if args.quick else (5, 80, 10)
     repeats = args.repeats or repeats
@@ -146,7 +153,7 @@ def main() -> None:
         print(f"  {name:<48} {value['paired']:.2f} {value['of_medians']:>11.2f}")
     command = "python benchmarks/throughput.py" + (" --quick" if args.quick else "") + (f" --repeats {args.repeats}" if args.repeats else "")
     save_result(
-        args.out, command, repeats=repeats, timed_steps=steps, samples_per_sec=measured, median=median, ratios=ratios
+        args.out or results_dir(args.quick) / "throughput.json", command, repeats=repeats, timed_steps=steps, samples_per_sec=measured, median=median, ratios=ratios
     )
 
 

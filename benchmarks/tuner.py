@@ -23,11 +23,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import bare_trainer, samples_per_second, save_result  # noqa: E402
+from benchmarks.throughput import bare_trainer, results_dir, samples_per_second, save_result  # noqa: E402
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
 
-OUT = Path(__file__).with_name("out")
 
 
 class AfterChoice(L.Callback):
@@ -96,7 +95,7 @@ def main() -> None:
     best_k = max(ks, key=lambda k: statistics.median(fixed[k]))
     ratio = statistics.median(t / max(fixed[k][i] for k in ks) for i, t in enumerate(tuned))
     save_result(
-        OUT / "tuner.json",
+        results_dir(args.quick) / "tuner.json",
         "python benchmarks/tuner.py" + (" --quick" if args.quick else "") + f" --window {args.window}",
         fixed={str(k): v for k, v in fixed.items()},
         tuned=tuned,
