@@ -7,8 +7,9 @@ thread on its own core of this 2-core machine.
 
 1. Samples/s on the MNIST-1D CNN, b=16: uniform mode (k per device), heterogeneous mode (K = 2k split
    by measured speed), and each process alone (one process with the k heterogeneous mode gave it, rank
-   1's alone with the throttle). Goal: heterogeneous >= 0.9 x the sum of the two alone. Runs alternate,
-   each ratio is taken within one repetition, and the median over repetitions is reported.
+   1's alone with the throttle), one at a time and side by side (both at once, unsynchronised: the
+   machine as busy as in the two-process runs). Goal: heterogeneous >= 0.9 x the sum of the two alone.
+   Runs alternate, each ratio is taken within one repetition, and the median over repetitions is reported.
    For scale, the same without any throttle: two equal processes (uniform) against twice one alone,
    which is what synchronising every step costs on this machine whatever the balance.
 2. Time to 90% MNIST-1D test accuracy, uniform against heterogeneous mode, both with rank 1 throttled
@@ -132,15 +133,30 @@ def accuracy_phase(mode: str, k: int, seed: int, max_epochs: int) -> dict[str, A
     }
 
 
-def _launch(out: Path, *phase: str, throttle: bool = True) -> dict[str, Any]:
-    """Runs one phase in a fresh launch (Lightning starts the second process itself) and returns rank 0's result."""
+def _start(out: Path, *phase: str, throttle: bool = True) -> subprocess.Popen:
     command = [sys.executable, __file__, "--phase", *phase, "--result", str(out)]
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["CROSSBOW_BENCH_BATCH"] = str(BATCH)
     if not throttle:
         env["CROSSBOW_BENCH_SLOWDOWN"] = "1"
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _launch(out: Path, *phase: str, throttle: bool = True) -> dict[str, Any]:
+    """Runs one phase in a fresh launch (Lightning starts the second process itself) and returns rank 0's result."""
+    if _start(out, *phase, throttle=throttle).wait() != 0:
+        raise RuntimeError(f"benchmark phase {phase} failed")
     return json.loads(out.read_text())
+
+
+def _alone_side_by_side(scratch: Path, split: list[int]) -> list[float]:
+    """Each rank's configuration as its own one-process run, both at once and not synchronised: the machine as
+    busy as in the two-process runs, without the wait for each other. Returns each one's samples/s."""
+    outs = [scratch / f"side_by_side_{rank}.json" for rank in range(2)]
+    started = [_start(out, "throughput", "uniform", "1", str(rank), str(split[rank])) for rank, out in enumerate(outs)]
+    if any(process.wait() != 0 for process in started):
+        raise RuntimeError("a side-by-side benchmark phase failed")
+    return [json.loads(out.read_text())["samples_per_sec"] for out in outs]
 
 
 def main() -> None:
@@ -180,7 +196,9 @@ def main() -> None:
                 "uniform": _launch(out, "throughput", "uniform", "2", "0", "0"),
                 "alone": [_launch(out, "throughput", "uniform", "1", str(rank), str(split[rank]))["samples_per_sec"] for rank in range(2)],
             }
+            run["alone_side_by_side"] = _alone_side_by_side(Path(scratch), split)
             run["heterogeneous_over_sum_alone"] = heterogeneous["samples_per_sec"] / sum(run["alone"])
+            run["heterogeneous_over_sum_side_by_side"] = heterogeneous["samples_per_sec"] / sum(run["alone_side_by_side"])
             run["heterogeneous_over_uniform"] = heterogeneous["samples_per_sec"] / run["uniform"]["samples_per_sec"]
             equal_pair = _launch(out, "throughput", "uniform", "2", "0", "0", throttle=False)["samples_per_sec"]
             equal_alone = _launch(out, "throughput", "uniform", "1", "0", str(k), throttle=False)["samples_per_sec"]
@@ -189,7 +207,8 @@ def main() -> None:
             runs.append(run)
             print(f"repeat {repeat}: split {split}, samples/s heterogeneous {heterogeneous['samples_per_sec']:.0f},"
                   f" uniform {run['uniform']['samples_per_sec']:.0f}, alone {run['alone'][0]:.0f} + {run['alone'][1]:.0f};"
-                  f" heterogeneous / sum alone {run['heterogeneous_over_sum_alone']:.2f},"
+                  f" heterogeneous / sum alone {run['heterogeneous_over_sum_alone']:.2f}, / sum side by side"
+                  f" {run['heterogeneous_over_sum_side_by_side']:.2f},"
                   f" / uniform {run['heterogeneous_over_uniform']:.2f}; unthrottled, 2 processes / twice one alone"
                   f" {run['unthrottled_two_over_twice_alone']:.2f}", flush=True)
         accuracy: dict[str, Any] = {}
@@ -217,6 +236,7 @@ def main() -> None:
         timed_steps=steps,
         runs=runs,
         median_heterogeneous_over_sum_alone=statistics.median(r["heterogeneous_over_sum_alone"] for r in runs),
+        median_heterogeneous_over_sum_side_by_side=statistics.median(r["heterogeneous_over_sum_side_by_side"] for r in runs),
         median_heterogeneous_over_uniform=statistics.median(r["heterogeneous_over_uniform"] for r in runs),
         median_unthrottled_two_over_twice_alone=statistics.median(r["unthrottled_two_over_twice_alone"] for r in runs),
         median_samples_per_sec={
@@ -224,6 +244,8 @@ def main() -> None:
             "uniform": statistics.median(r["uniform"]["samples_per_sec"] for r in runs),
             "alone_fast": statistics.median(r["alone"][0] for r in runs),
             "alone_slow": statistics.median(r["alone"][1] for r in runs),
+            "side_by_side_fast": statistics.median(r["alone_side_by_side"][0] for r in runs),
+            "side_by_side_slow": statistics.median(r["alone_side_by_side"][1] for r in runs),
         },
         accuracy=accuracy,
     )

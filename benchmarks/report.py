@@ -228,8 +228,19 @@ def heterogeneous_section(data: dict[str, Any], plots: Path) -> list[str]:
             f"| heterogeneous mode (final splits {', '.join(str(s) for s in splits)}) | {medians['heterogeneous']:.0f} |",
             f"| fast process alone, at its split's k | {medians['alone_fast']:.0f} |",
             f"| slow process alone, at its split's k | {medians['alone_slow']:.0f} |",
+        ]
+        if "side_by_side_fast" in medians:
+            lines += [
+                f"| fast process alone, side by side with the slow one (not synchronised) | {medians['side_by_side_fast']:.0f} |",
+                f"| slow process alone, side by side with the fast one (not synchronised) | {medians['side_by_side_slow']:.0f} |",
+                "",
+                "Heterogeneous / sum of the two alone side by side, each ratio within one repetition:"
+                f" **{run['median_heterogeneous_over_sum_side_by_side']:.2f}** (goal 0.9): the machine as busy as in the"
+                " two-process runs, so this isolates what waiting for each other costs.",
+            ]
+        lines += [
             "",
-            f"Heterogeneous / sum of the two alone: **{run['median_heterogeneous_over_sum_alone']:.2f}** (goal 0.9);"
+            f"Heterogeneous / sum of the two alone, one at a time: **{run['median_heterogeneous_over_sum_alone']:.2f}**;"
             f" heterogeneous / uniform: **{run['median_heterogeneous_over_uniform']:.2f}**. Without any throttle, two"
             f" equal processes reach {run['median_unthrottled_two_over_twice_alone']:.2f} of twice one alone: what two"
             " processes that synchronise every step cost on this 2-core machine (communication, and two busy processes"

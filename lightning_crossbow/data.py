@@ -1,5 +1,8 @@
 """Groups k consecutive batches of the user's training DataLoader into one SMA step.
 
+(In heterogeneous mode, :class:`RoutedBatchLoader` groups this rank's share of a common order instead:
+see :mod:`lightning_crossbow.routing`.)
+
 Replica ``j`` of a step takes the ``j``-th batch of the group, so the DataLoader's batch size is the
 per-replica batch size and the user's sampler decides the order, exactly as in plain Lightning.
 An epoch is one pass over the loader in ``len(loader) // k`` steps: a trailing group with fewer than
@@ -95,9 +98,10 @@ class RoutedBatchLoader(ReplicaBatchLoader):
 
     def __iter__(self) -> Iterator[list[Any]]:
         self._order_batches_taken = 0
-        # Groups an abandoned pass drew ahead of training (limit_train_batches, max_steps) were never trained:
-        # the new pass draws from where training is (every rank is there too).
+        # Groups the last pass drew ahead of training (prefetching; limit_train_batches, max_steps), or found no
+        # room for, were never trained: the new pass draws from where training is (every rank is there too).
         self.plan.groups_drawn = self.plan.groups_trained
+        self.plan.uneven_groups.clear()
         for group in super().__iter__():
             self.current_group = self.plan.groups_trained
             self.num_replicas = len(group)
@@ -109,8 +113,15 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         raise RuntimeError("A routed group cannot be split: the other ranks' shares of it are fixed.")
 
     def groups_in_pass(self) -> int:
+        """Groups of the current pass: those handed out, and those the rest of the order makes, each group at
+        the split in force for it (groups drawn ahead keep the split they were drawn with)."""
         remaining = self.routed_sampler.batches_per_epoch() - self._order_batches_taken
-        return self.groups_yielded + remaining // sum(self.plan.latest)
+        groups, group = self.groups_yielded, self.plan.groups_trained
+        while remaining >= (size := sum(self.plan.split_at(group))):
+            remaining -= size
+            groups += 1
+            group += 1
+        return groups
 
     def __len__(self) -> int:
         return self.routed_sampler.batches_per_epoch() // sum(self.plan.latest)

@@ -13,8 +13,9 @@ learners in all), group ``g`` is the next ``K_g`` batches of the order and rank 
 one per local learner. However the split changes, an epoch sees every batch once, on exactly one
 learner, and a last group of fewer than ``K_g`` batches is skipped on every rank alike.
 
-Splits change at group boundaries that no rank has reached yet (:meth:`RoutingPlan.schedule`), so the
-routing stays consistent even when DataLoader workers have drawn indices ahead of training.
+Splits change at group boundaries that no rank has reached yet, not even to find that the epoch has
+no room for it (:meth:`RoutingPlan.schedule`), so the routing stays consistent when DataLoader workers
+have drawn indices ahead of training.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class RoutingPlan:
     """The splits in force from each group on, and where this rank's sampler and training loop are.
 
     Groups are counted from the start of fit, across epochs. ``groups_drawn`` counts the groups this
-    rank's :class:`RoutedSampler` has started to draw indices for (it may run ahead of training by
-    the DataLoader's prefetching), ``groups_trained`` those its training loop has taken.
+    rank's :class:`RoutedSampler` has started to draw indices for, or found no room for at an epoch's end
+    (it may run ahead of training by the DataLoader's prefetching); ``groups_trained`` those its
+    training loop has taken.
     """
 
     def __init__(self, split: Sequence[int], rank: int) -> None:
@@ -70,11 +72,14 @@ class RoutingPlan:
         ``groups_drawn`` over ranks), else the ranks would cut that group differently.
         """
         check_split(split, len(self.latest))
-        if from_group < max(self.groups_drawn, self._starts[-1]):
+        if from_group < self.groups_drawn:
             raise ValueError(f"group {from_group} is already drawn; a new split can start at {self.groups_drawn} or later.")
-        if tuple(split) == self.latest:
+        while len(self._starts) > 1 and self._starts[-1] >= from_group:  # superseded changes no rank has reached
+            self._starts.pop()
+            self._splits.pop()
+        if tuple(split) == self._splits[-1]:
             return
-        if from_group == self._starts[-1]:
+        if from_group == self._starts[-1]:  # (only the first entry can start there)
             self._splits[-1] = tuple(split)
             return
         self._starts.append(from_group)
@@ -135,9 +140,9 @@ class RoutedSampler(Sampler[int]):
         while True:
             group = plan.groups_drawn
             num_learners = sum(plan.split_at(group))
+            plan.groups_drawn += 1  # drawn, or found not to fit: either way its split is settled
             if first_batch + num_learners > batches:
                 return  # a last group of fewer than K batches: skipped on every rank
-            plan.groups_drawn += 1
             last = first_batch + num_learners
             if last * b > len(indices):  # the order's short last batch is in this group
                 plan.uneven_groups[group] = tuple(min(b, len(indices) - i * b) for i in range(first_batch, last))

@@ -40,7 +40,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 from typing_extensions import override
 
 from lightning_crossbow.accelerator import CrossbowAccelerator
@@ -126,11 +133,12 @@ class CrossbowStrategy(DDPStrategy):
             vmap), ``"fused"`` (torch.func.vmap over the stacked replicas) or ``"sequential"``.
         reset_on_lr_drop: reset every replica to z when the learning rate drops (see ``LR_DROP_RATIO``).
         heterogeneous: for devices of different speed (Adaptive SGD): ``True`` (or a
-            :class:`~lightning_crossbow.SpeedBalancer` to configure) gives each rank learners in proportion to
-            its measured speed, ``replicas_per_device`` being their mean; every rank takes its share of one
-            common order of the data (:mod:`~lightning_crossbow.routing`), so an epoch still sees every
-            sample once; z's update weighs each learner by its share of the step's samples. Every rank's
-            DataLoader must be the whole dataset, with ``shuffle`` True or False. Off by default.
+            :class:`~lightning_crossbow.SpeedBalancer` to configure) splits the ``K = replicas_per_device x
+            world_size`` learners over the ranks so that the measured step times even out (during fit,
+            ``replicas_per_device`` is this rank's own share); every rank takes its share of one common order
+            of the data (:mod:`~lightning_crossbow.routing`), so an epoch still sees every sample once; z's
+            update weighs each learner by its share of the step's samples. Every rank's DataLoader must be
+            the whole dataset, with ``shuffle`` True or False. Off by default.
         elementwise_optimizers: optimizer classes, beyond torch's element-wise ones, that the user
             declares element-wise (each element updated from its own gradient and state only).
         The remaining arguments are those of Lightning's ``DDPStrategy`` (launching, backend, timeout).
@@ -328,6 +336,12 @@ class CrossbowStrategy(DDPStrategy):
         )
         self.engine = make_engine(self.engine_name, module, self.replicas_per_device)
         if self.balancer is not None:
+            if trainer.accumulate_grad_batches > 1:
+                raise ValueError(
+                    "crossbow: heterogeneous=True cannot be combined with accumulate_grad_batches > 1: a new split of the"
+                    " learners may start between two accumulated batches, and the gradients accumulated for the"
+                    " replicas a rank gives up would be lost."
+                )
             self.routing = RoutingPlan((self.replicas_per_device,) * self.world_size, self.global_rank)
             self._split = self.routing.latest
             self.balancer.restart()
@@ -345,7 +359,7 @@ class CrossbowStrategy(DDPStrategy):
             self.outer_lr,
             self.warmup_epochs,
             self.engine_name,
-            self.balancer is not None,
+            None if self.balancer is None else (self.balancer.every, self.balancer.min_gain, self.balancer.remember),
         )
         configs = [config]
         if self.world_size > 1:
@@ -354,7 +368,7 @@ class CrossbowStrategy(DDPStrategy):
         if any(c != config for c in configs):
             raise RuntimeError(
                 "crossbow: the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, outer_lr,"
-                " warmup_epochs, engine, heterogeneous):"
+                " warmup_epochs, engine, heterogeneous (None or the balancer's every, min_gain, remember)):"
                 f" {configs}. Every process must be configured the same."
             )
 
@@ -387,37 +401,28 @@ class CrossbowStrategy(DDPStrategy):
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
         assert self.routing is not None
-        sampler = getattr(dataloader, "sampler", None)
-        batch_sampler = getattr(dataloader, "batch_sampler", None)
-        problem = None
-        if not isinstance(dataloader, DataLoader):
-            problem = f"a torch DataLoader, got {type(dataloader).__name__}"
-        elif not isinstance(sampler, (RandomSampler, SequentialSampler)):
-            problem = f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(sampler).__name__}"
-        elif type(batch_sampler) is not BatchSampler or dataloader.batch_size is None:
-            problem = f"a batch_size (torch's BatchSampler), got a {type(batch_sampler).__name__}"
-        if problem is not None:
+        problem = _unroutable(dataloader)
+        seed = int(os.getenv("PL_GLOBAL_SEED", 0))  # the seed Lightning's own DistributedSampler takes
+        length = len(dataloader.dataset) if problem is None else None  # type: ignore[attr-defined]
+        ranks = [(problem, length, seed)]
+        if self.world_size > 1:  # every rank learns of any rank's problem: none is left waiting in a collective
+            ranks = [None] * self.world_size
+            torch.distributed.all_gather_object(ranks, (problem, length, seed))
+        problems = [p for p, _, _ in ranks if p is not None]
+        if problems:
             raise ValueError(
-                f"crossbow: heterogeneous=True routes batches of one common order to the ranks, so the training"
-                f" DataLoader needs {problem}."
+                "crossbow: heterogeneous=True routes batches of one common order of the whole dataset to the ranks,"
+                f" so the training DataLoader needs {problems[0]}."
+            )
+        if len({(n, r) for _, n, r in ranks}) > 1:
+            raise ValueError(
+                "crossbow: heterogeneous=True needs the whole dataset and the same seed on every rank (it draws one"
+                f" common order and routes it itself); the ranks have (dataset length, PL_GLOBAL_SEED) = "
+                f"{[(n, r) for _, n, r in ranks]}."
             )
         assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
-        dataset_length = len(dataloader.dataset)  # type: ignore[arg-type]
-        lengths = [dataset_length]
-        if self.world_size > 1:
-            lengths = [None] * self.world_size
-            torch.distributed.all_gather_object(lengths, dataset_length)
-        if len(set(lengths)) > 1:
-            raise ValueError(
-                f"crossbow: heterogeneous=True needs the whole dataset on every rank (it routes the data itself),"
-                f" but the ranks' training datasets have {lengths} samples."
-            )
         order = DistributedSampler(
-            dataloader.dataset,
-            num_replicas=1,
-            rank=0,
-            shuffle=isinstance(sampler, RandomSampler),
-            seed=int(os.getenv("PL_GLOBAL_SEED", 0)),  # the seed Lightning's own DistributedSampler takes
+            dataloader.dataset, num_replicas=1, rank=0, shuffle=isinstance(dataloader.sampler, RandomSampler), seed=seed
         )
         routed = RoutedSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
         return RoutedBatchLoader(_update_dataloader(dataloader, routed, mode=RunningStage.TRAINING), routed)
@@ -430,7 +435,10 @@ class CrossbowStrategy(DDPStrategy):
             self._fit_epoch_length(self.lightning_module.trainer)
         assert self.stack is not None
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
-            self._split = self.routing.split_at(self._grouped.current_group)
+            split = self.routing.split_at(self._grouped.current_group)
+            if split != self._split and self.balancer is not None:
+                self.balancer.restart()  # a window measures one split (every rank changes at this same step)
+            self._split = split
         if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
             # The first group made after set_replicas_per_device: resize before the step's corrections.
             self._resize_replicas(len(batch))
@@ -497,7 +505,7 @@ class CrossbowStrategy(DDPStrategy):
         assert self._grouped is not None and trainer is not None
         if self.routing is not None and self.balancer is not None:
             # K = k x world_size learners, split by the speeds measured last, from a group no rank has drawn.
-            first_free_group = int(all_gather_rows(torch.tensor([float(self.routing.groups_drawn)]))[:, 0].max())
+            first_free_group = int(self._all_gather_rows(torch.tensor([float(self.routing.groups_drawn)]))[:, 0].max())
             split = self.balancer.split_for(replicas_per_device * self.world_size, self.world_size)
             self.routing.schedule(split, first_free_group)
             self.balancer.history.append((self.lightning_module.trainer.global_step, split))
@@ -599,7 +607,10 @@ class CrossbowStrategy(DDPStrategy):
             optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
         )
         diverged = self._diverged_replicas()
-        window_done = self.balancer is not None and self.balancer.work_done()
+        window_done = False
+        if self.balancer is not None:
+            self._wait_for_device()
+            window_done = self.balancer.work_done()
         step = StepContext(
             num_learners=self.num_learners,
             step=self.lightning_module.trainer.global_step,
@@ -622,9 +633,15 @@ class CrossbowStrategy(DDPStrategy):
         if self.balancer is not None:
             if window_done:
                 self._rebalance()
+            self._wait_for_device()
             self.balancer.sync_done()
         self._measure_throughput()
         return output
+
+    def _wait_for_device(self) -> None:
+        """The balancer times this rank's work on the host: on CUDA, wait for the queued kernels first."""
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)
 
     def _learner_weights(self) -> Optional[Tensor]:
         """``K p_i`` of the local learners when the step's batches differ in size (heterogeneous mode), else None."""
@@ -636,10 +653,17 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
         return torch.tensor(weights, dtype=self.stack.buckets[0].replicas.dtype, device=self.root_device)
 
+    def _all_gather_rows(self, row: Tensor) -> Tensor:
+        """:func:`all_gather_rows` through the root device (NCCL reduces CUDA tensors only), returned on the CPU."""
+        return all_gather_rows(row.to(self.root_device)).cpu()
+
     def _rebalance(self) -> None:
         """Ends the balancer's window: every rank moves to the same new split, if one pays, at the same group."""
         assert self.balancer is not None and self.routing is not None and self._split is not None
-        split, first_free_group = self.balancer.rebalance(self._split, all_gather_rows, self.routing.groups_drawn)
+        if self.routing.latest != self._split:  # a change (the tuner's) is scheduled but not in force yet
+            self.balancer.restart()
+            return
+        split, first_free_group = self.balancer.rebalance(self._split, self._all_gather_rows, self.routing.groups_drawn)
         if split is None:
             return
         self.routing.schedule(split, first_free_group)
@@ -647,7 +671,7 @@ class CrossbowStrategy(DDPStrategy):
         models = ", ".join(f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} k" for m in self.balancer.step_times() or ())
         rank_zero_info(
             f"crossbow: busy ms per step by rank: {models}; learners per rank {self._split} -> {split}"
-            f" from step group {first_free_group}."
+            f" from group {first_free_group} of the data order."
         )
 
     def _ends_an_epoch(self) -> bool:
@@ -818,9 +842,10 @@ class CrossbowStrategy(DDPStrategy):
         """Heterogeneous mode: carries on with the checkpoint's learners per rank when it has as many ranks
         and, unless k is tuned, as many learners in all; returns whether it did."""
         assert self.routing is not None and self.stack is not None
-        split = tuple(state["split"]) if state is not None and state.get("split") else None
-        if split is None or len(split) != self.world_size:
+        if state is None or state["world_size"] != self.world_size:
             return False
+        # (a checkpoint of the uniform path holds an even split)
+        split = tuple(state["split"]) if state.get("split") else (state["replicas_per_device"],) * self.world_size
         if sum(split) != self.num_learners and not self.restore_replicas_per_device:
             return False
         self.routing.restart(split)
@@ -834,6 +859,10 @@ class CrossbowStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
+        if self.routing is not None:  # a later fit starts from the mean k at an even split, on every rank alike
+            self.replicas_per_device = self.tuned_replicas_per_device
+            self.routing = None
+            self._split = None
         self.stack = None
         self.engine = None
         self._step_losses = None
@@ -893,6 +922,22 @@ def _make_averaging(
             )
         return EASGD(alpha)
     return SMA(alpha, CROSSBOW_CENTRAL_MOMENTUM if central_momentum is None else central_momentum)
+
+
+def _unroutable(dataloader: object) -> Optional[str]:
+    """What heterogeneous mode's routing needs that ``dataloader`` lacks, or None."""
+    if not isinstance(dataloader, DataLoader):
+        return f"to be a torch DataLoader, got {type(dataloader).__name__}"
+    if isinstance(dataloader.dataset, IterableDataset):
+        return "a map-style dataset (an IterableDataset has no order to share out)"
+    sampler = dataloader.sampler
+    if type(sampler) not in (RandomSampler, SequentialSampler):
+        return f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(sampler).__name__}"
+    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(dataloader.dataset)):
+        return "shuffle=True without replacement over the whole dataset (a RandomSampler with replacement or num_samples)"
+    if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
+        return f"a batch_size (torch's BatchSampler), got a {type(dataloader.batch_sampler).__name__}"
+    return None
 
 
 def _destroy_process_group_at_exit() -> None:

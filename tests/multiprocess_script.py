@@ -2,7 +2,7 @@
 
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
        [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune] [--algorithm A]
-       [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA]
+       [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA] [--second-fit]
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=96, help="training samples (with --heterogeneous)")
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--outer-lr", type=float)
+    parser.add_argument("--second-fit", action="store_true", help="fit once more, one epoch, with the same strategy")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
@@ -161,7 +162,11 @@ def main() -> None:
         callbacks=callbacks,
     )
     datamodule = Unsharded(args.samples) if args.distributed_sampler or balancer is not None else Sharded()
-    trainer.fit(Classifier(optimizer=args.optimizer), datamodule=datamodule, ckpt_path=args.resume)
+    model = Classifier(optimizer=args.optimizer)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
+    if args.second_fit:
+        trainer.fit_loop.max_epochs = args.epochs + 1
+        trainer.fit(model, datamodule=datamodule)
     if args.save:
         trainer.save_checkpoint(args.save)
 

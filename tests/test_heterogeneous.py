@@ -72,7 +72,7 @@ def test_step_time_fits_the_fixed_and_the_per_learner_cost() -> None:
     assert StepTime.fit({4: 6.0, 6: 8.0}) == StepTime(2.0, 1.0)
     assert StepTime.fit({2: 4.0, 4: 6.0, 6: 8.0}) == StepTime(2.0, 1.0)
     assert StepTime.fit({4: 6.0}) == StepTime(0.0, 1.5)  # one point: proportional
-    assert StepTime.fit({4: 6.0, 6: 5.0}) == StepTime(0.0, 5.0 / 6.0)  # falling with k (noise): the newest, proportional
+    assert StepTime.fit({4: 6.0, 6: 5.0}) == StepTime(0.0, 5.0 / 6.0)  # falling with k (noise): the largest k's, proportional
 
 
 def test_the_balancer_corrects_a_proportional_first_guess_with_a_second_window() -> None:
@@ -117,6 +117,19 @@ def test_a_split_cannot_start_at_a_group_already_drawn() -> None:
         plan.schedule((3, 1), from_group=2)
     with pytest.raises(ValueError, match="one entry per rank"):
         plan.schedule((3, 1, 1), from_group=3)
+    plan.schedule((3, 1), from_group=6)
+    plan.schedule((1, 3), from_group=4)  # supersedes the change at 6, which no rank has reached
+    assert [plan.split_at(g) for g in (3, 4, 6)] == [(2, 2), (1, 3), (1, 3)]
+
+
+def test_a_group_found_not_to_fit_counts_as_drawn() -> None:
+    """Rank 1 of a (3, 1) split runs out of the order before group 2 (10 batches: 8 used, 2 left < K = 4);
+    a new split must not start at group 2, or rank 0 could find room for it that rank 1 did not."""
+    plan = RoutingPlan((3, 1), rank=1)
+    assert len(list(RoutedSampler(range(80), BATCH, False, plan))) == 2 * BATCH  # type: ignore[arg-type]
+    assert plan.groups_drawn == 3
+    with pytest.raises(ValueError, match="group 2 is already drawn"):
+        plan.schedule((1, 1), from_group=2)
 
 
 # -------------------------------------------------------------------------- one process
@@ -204,6 +217,16 @@ def test_heterogeneous_resume_carries_on_with_the_measured_split_exactly(tmp_pat
             assert torch.equal(x, y)
 
 
+def test_heterogeneous_mode_refuses_what_it_cannot_route_or_accumulate() -> None:
+    dataset = make_data(num_samples=32)
+    with_replacement = DataLoader(dataset, batch_size=8, sampler=torch.utils.data.RandomSampler(dataset, replacement=True))
+    with pytest.raises(ValueError, match="without replacement over the whole dataset"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2, heterogeneous=True)).fit(Classifier(), with_replacement)
+    strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
+    with pytest.raises(ValueError, match="cannot be combined with accumulate_grad_batches > 1"):
+        trainer(strategy=strategy, accumulate_grad_batches=2).fit(Classifier(), loader(dataset))
+
+
 def test_speed_balancer_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="every must be a positive int"):
         SpeedBalancer(every=0)
@@ -213,6 +236,16 @@ def test_speed_balancer_arguments_are_checked() -> None:
         CrossbowStrategy(heterogeneous="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not apply to algorithm='gossip'"):
         CrossbowStrategy(heterogeneous=True, algorithm="gossip")
+
+
+def test_a_second_fit_starts_again_from_the_mean_k_at_an_even_split(tmp_path: Path) -> None:
+    """After a fit that split the learners (6, 2), the same strategy fits again: every rank is configured alike
+    (k = 4, the mean), starts at (4, 4), and the balancer finds (6, 2) again."""
+    ranks = _heterogeneous_run(tmp_path / "run", "--epochs", "2", "--second-fit")
+    assert [split for _, split in ranks[0]["splits"]] == [(4, 4), (6, 2)]
+    assert ranks[0]["global_step"] == 3 * 3
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_the_tuner_sets_the_mean_k_and_the_balancer_splits_it(tmp_path: Path) -> None:
@@ -233,11 +266,16 @@ def test_the_tuner_sets_the_mean_k_and_the_balancer_splits_it(tmp_path: Path) ->
 
 
 class ChangeKAt(Callback):
-    """Sets replicas_per_device to ``k`` once, before step ``step``; records the inputs trained on per epoch."""
+    """Sets replicas_per_device to ``k`` once, before step ``step``; records the inputs trained on per epoch,
+    and the epochs that ended with their validation."""
 
     def __init__(self, step: int, k: int) -> None:
         self.step, self.k = step, k
         self.seen: dict[int, list[Tensor]] = {}
+        self.validated: list[int] = []
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self.validated.append(trainer.current_epoch)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.seen.setdefault(trainer.current_epoch, []).extend(x for x, _ in batch)
@@ -254,7 +292,10 @@ def test_a_k_change_with_loader_workers_drawing_ahead_keeps_every_sample_once() 
     recorder = ChangeKAt(step=2, k=3)
     strategy = CrossbowStrategy(replicas_per_device=4, heterogeneous=True)
     train = loader(dataset, num_workers=1, prefetch_factor=4)
-    trainer(strategy=strategy, max_epochs=2, callbacks=[recorder]).fit(Classifier(), train)
+    trainer(strategy=strategy, max_epochs=2, callbacks=[recorder]).fit(Classifier(), train, loader(make_data(16)))
+    # Lightning counted each epoch's steps right, groups drawn ahead at the old K included: validation ran at
+    # the end of both epochs, the one with the change too.
+    assert recorder.validated == [0, 1]
     inputs = dataset.tensors[0]
     for epoch, rows in recorder.seen.items():
         seen = torch.cat(rows)
