@@ -172,5 +172,5 @@ def test_ranks_with_different_configurations_fail_with_a_clear_error(tmp_path: P
     assert result.returncode != 0
     assert (
         "the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, outer_lr, warmup_epochs, engine,"
-        " heterogeneous)" in result.stderr
+        " heterogeneous (None or the balancer's every, min_gain, remember))" in result.stderr
     )
