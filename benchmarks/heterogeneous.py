@@ -172,7 +172,7 @@ def main() -> None:
     global BATCH
     BATCH = args.batch_size if not args.phase else BATCH
     k = args.replicas
-    steps, warmup = (60, 45) if args.quick else (150, 45)
+    steps, warmup = (60, 80) if args.quick else (150, 80)  # the warm-up covers the balancer settling (3-4 windows)
     if args.phase:  # inside one launch
         kind, mode, *rest = args.phase
         if kind == "throughput":
@@ -234,6 +234,7 @@ def main() -> None:
         batch_size=BATCH,
         slowdown=SLOWDOWN,
         timed_steps=steps,
+        warmup_steps=warmup,
         runs=runs,
         median_heterogeneous_over_sum_alone=statistics.median(r["heterogeneous_over_sum_alone"] for r in runs),
         median_heterogeneous_over_sum_side_by_side=statistics.median(r["heterogeneous_over_sum_side_by_side"] for r in runs),

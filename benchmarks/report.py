@@ -219,7 +219,8 @@ def heterogeneous_section(data: dict[str, Any], plots: Path) -> list[str]:
         splits = sorted({tuple(r["heterogeneous"]["split"]) for r in run["runs"]})
         lines += [
             f"`{run['command']}`: k={run['replicas_per_device']} per device (K={2 * run['replicas_per_device']}),"
-            f" per-replica batch {run['batch_size']}, {run['timed_steps']} timed steps after the balancer's first windows;"
+            f" per-replica batch {run['batch_size']}, {run['timed_steps']} timed steps after"
+            f" {run.get('warmup_steps', 45)} steps in which the balancer settles (3-4 windows of 20);"
             f" medians of {len(run['runs'])} alternating repetitions.",
             "",
             "| configuration | samples/s |",
