@@ -245,9 +245,7 @@ def heterogeneous_section(data: dict[str, Any], plots: Path) -> list[str]:
             f" heterogeneous / uniform: **{run['median_heterogeneous_over_uniform']:.2f}**. Without any throttle, two"
             f" equal processes reach {run['median_unthrottled_two_over_twice_alone']:.2f} of twice one alone: what two"
             " processes that synchronise every step cost on this 2-core machine (communication, and two busy processes"
-            " sharing it), whatever the balance. Against that ceiling, heterogeneous mode reaches"
-            f" {statistics.median(r['heterogeneous_over_sum_alone'] / r['unthrottled_two_over_twice_alone'] for r in run['runs']):.2f}"
-            " (median over repetitions of the ratio within each).",
+            " sharing it), whatever the balance.",
             "",
         ]
         if run.get("accuracy"):
