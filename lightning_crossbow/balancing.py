@@ -54,19 +54,24 @@ class StepTime:
         return cls(0.0, t / k)
 
 
-def split_learners(step_times: Sequence[Callable[[int], float]], num_learners: int) -> Split:
-    r"""The split ``(k_r)`` of ``K`` learners, each ``k_r >= 1``, that minimises ``max_r T_r(k_r)``.
+def split_learners(
+    step_times: Sequence[Callable[[int], float]], num_learners: int, most: Optional[Sequence[int]] = None
+) -> Split:
+    r"""The split ``(k_r)`` of ``K`` learners, ``1 <= k_r <= most_r``, that minimises ``max_r T_r(k_r)``.
 
     Greedy, which is optimal for step times that grow with k: from one learner per rank, each further
-    learner goes to the rank whose step would then end first (``argmin_r T_r(k_r + 1)``, the lowest rank
-    on ties). With ``T_r(k) = t_r k`` the learners go in proportion to speed, ``k_r ~ K (1/t_r) / sum_q 1/t_q``.
+    learner goes to the rank, among those with room, whose step would then end first
+    (``argmin_r T_r(k_r + 1)``, the lowest rank on ties). With ``T_r(k) = t_r k`` the learners go in
+    proportion to speed, ``k_r ~ K (1/t_r) / sum_q 1/t_q``. ``most`` (default: no limit) is what fits
+    in each rank's memory.
     """
     ranks = len(step_times)
-    if num_learners < ranks:
-        raise ValueError(f"{num_learners} learners cannot give each of {ranks} ranks one.")
+    most = [num_learners] * ranks if most is None else list(most)
+    if num_learners < ranks or sum(min(m, num_learners) for m in most) < num_learners or min(most) < 1:
+        raise ValueError(f"{num_learners} learners cannot be split over {ranks} ranks with at least one and at most {most}.")
     split = [1] * ranks
     for _ in range(num_learners - ranks):
-        rank = min(range(ranks), key=lambda r: (step_times[r](split[r] + 1), r))
+        rank = min((r for r in range(ranks) if split[r] < most[r]), key=lambda r: (step_times[r](split[r] + 1), r))
         split[rank] += 1
     return tuple(split)
 
@@ -80,7 +85,7 @@ class SpeedBalancer:
     """Measures every rank's busy time per step and re-splits the learners when that pays.
 
     Each window, every rank's median busy seconds per step ``T_r`` at its ``k_r`` are gathered (one small
-    all-gather). Per rank, the latest ``T`` at each of the last ``remember`` distinct k fit a
+    all-gather), with how many more learners fit in its memory. Per rank, the latest ``T`` at each of the last ``remember`` distinct k fit a
     :class:`StepTime` model; :func:`split_learners` splits the same ``K`` by the models, and the
     balancer switches when the predicted step is at least ``min_gain`` shorter. A first window at an
     even split only gives proportional models; the next window at the new split corrects them.
@@ -118,6 +123,8 @@ class SpeedBalancer:
         self.measured: list[dict[int, float]] = []
         #: ``(step, split)`` for every split put in force, the first one included.
         self.history: list[tuple[int, Split]] = []
+        #: The most learners that fit in each rank's memory, at the last window (None before it).
+        self.most: Optional[list[int]] = None
 
     def restart(self) -> None:
         """Forgets the step in progress and the window (at a new fit)."""
@@ -143,14 +150,16 @@ class SpeedBalancer:
         return [StepTime.fit(by_k) for by_k in self.measured]
 
     def rebalance(
-        self, split: Split, all_gather: Callable[[Tensor], Tensor], groups_drawn: int
+        self, split: Split, all_gather: Callable[[Tensor], Tensor], groups_drawn: int, room: int
     ) -> tuple[Optional[Split], int]:
-        """Ends a window: gathers every rank's median busy seconds at its k (and how far its data has been
-        drawn); returns ``(new split or None, the first group no rank has drawn)``."""
+        """Ends a window: gathers every rank's median busy seconds at its k, how far its data has been drawn, and
+        how many more learners fit in its memory (``room``); returns ``(new split or None, the first group no
+        rank has drawn)``."""
         mine = statistics.median(self._window) if self._window else float("nan")
         self._window.clear()
-        gathered = all_gather(torch.tensor([mine, float(groups_drawn)], dtype=torch.float64))
+        gathered = all_gather(torch.tensor([mine, float(groups_drawn), float(room)], dtype=torch.float64))
         seconds, first_free_group = gathered[:, 0].tolist(), int(gathered[:, 1].max())
+        self.most = [k + int(extra) for k, extra in zip(split, gathered[:, 2].tolist())]
         if not all(t > 0 for t in seconds):  # a rank had no measured step (nan) or a broken clock
             return None, first_free_group
         if len(self.measured) != len(split):
@@ -162,7 +171,9 @@ class SpeedBalancer:
                 del by_k[next(iter(by_k))]
         models = self.step_times()
         assert models is not None
-        best = split_learners(models, sum(split))
+        if sum(self.most) < sum(split):
+            return None, first_free_group
+        best = split_learners(models, sum(split), self.most)
         if step_seconds(best, models) < (1.0 - self.min_gain) * step_seconds(split, models):
             return best, first_free_group
         return None, first_free_group
@@ -172,4 +183,5 @@ class SpeedBalancer:
         models = self.step_times()
         if models is None or len(models) != ranks:
             return split_learners([StepTime(0.0, 1.0)] * ranks, num_learners)
-        return split_learners(models, num_learners)
+        most = self.most if self.most is not None and sum(self.most) >= num_learners else None
+        return split_learners(models, num_learners, most)

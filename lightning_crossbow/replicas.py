@@ -148,6 +148,11 @@ class ReplicaStack:
             for j in range(self.num_replicas)
         ]
 
+    def state_bytes_per_replica(self) -> int:
+        """Bytes one more replica holds outside its activations: weights, gradients, two optimizer states and
+        the corrections, five copies of the trainable parameters."""
+        return 5 * sum(b.replicas[0].numel() * b.replicas.element_size() for b in self.buckets)
+
     @torch.no_grad()
     def divergence(self) -> Tensor:
         """``mean_j ||w_j - z|| / ||z||`` over the local replicas (all parameters as one vector)."""

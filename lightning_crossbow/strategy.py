@@ -50,7 +50,7 @@ from torch.utils.data import (
 )
 from typing_extensions import override
 
-from lightning_crossbow.accelerator import CrossbowAccelerator
+from lightning_crossbow.accelerator import CrossbowAccelerator, device_memory
 from lightning_crossbow.algorithms import (
     ALGORITHMS,
     EASGD,
@@ -653,6 +653,14 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
         return torch.tensor(weights, dtype=self.stack.buckets[0].replicas.dtype, device=self.root_device)
 
+    def _room_for_learners(self) -> int:
+        """How many more learners this rank may take: each must fit twice over in the device's free memory (RAM on
+        CPU), as for the tuner (activations are not counted)."""
+        assert self.stack is not None
+        free = device_memory(self.root_device).get("memory_free_bytes")
+        room = int(free // (2 * self.stack.state_bytes_per_replica())) if free is not None else 1 << 20
+        return min(room, 1 << 20)
+
     def _all_gather_rows(self, row: Tensor) -> Tensor:
         """:func:`all_gather_rows` through the root device (NCCL reduces CUDA tensors only), returned on the CPU."""
         return all_gather_rows(row.to(self.root_device)).cpu()
@@ -663,7 +671,9 @@ class CrossbowStrategy(DDPStrategy):
         if self.routing.latest != self._split:  # a change (the tuner's) is scheduled but not in force yet
             self.balancer.restart()
             return
-        split, first_free_group = self.balancer.rebalance(self._split, self._all_gather_rows, self.routing.groups_drawn)
+        split, first_free_group = self.balancer.rebalance(
+            self._split, self._all_gather_rows, self.routing.groups_drawn, self._room_for_learners()
+        )
         if split is None:
             return
         self.routing.schedule(split, first_free_group)

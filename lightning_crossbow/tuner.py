@@ -271,9 +271,8 @@ class ReplicaAutoTuner(Callback):
         stack = strategy.stack
         if stack is None:
             return True
-        per_replica = sum(b.replicas[0].numel() * b.replicas.element_size() for b in stack.buckets) * 5
         free = device_memory(strategy.root_device).get("memory_free_bytes")
-        return free is None or free > 2 * per_replica
+        return free is None or free > 2 * stack.state_bytes_per_replica()
 
     # ----------------------------------------------------------------------------- report
     def best(self) -> Optional[TuningRecord]:

@@ -64,8 +64,21 @@ def test_split_learners_minimises_the_slowest_ranks_step() -> None:
     ):  # brute force over every split of 9 learners with one or more per rank
         every_split = [(a, b, 9 - a - b) for a in range(1, 8) for b in range(1, 9 - a)]
         assert step_seconds(split_learners(models, 9), models) == min(step_seconds(s, models) for s in every_split)
-    with pytest.raises(ValueError, match="3 learners cannot give each of 4 ranks one"):
+    with pytest.raises(ValueError, match="3 learners cannot be split over 4 ranks"):
         split_learners(proportional * 2, 3)
+    # Memory: rank 0 holds at most 5, so the rest go to the slow rank.
+    assert split_learners(proportional, 8, most=[5, 8]) == (5, 3)
+    with pytest.raises(ValueError, match=r"at most \[3, 3\]"):
+        split_learners(proportional, 8, most=[3, 3])
+
+
+def test_the_balancer_keeps_within_each_ranks_memory() -> None:
+    """Rank 0 is 3x faster but has room for one more learner only: the split stops at (5, 3), not (6, 2)."""
+    balancer = SpeedBalancer(every=1, min_gain=0.0)
+    balancer._window = [0.0]
+    gathered = torch.tensor([[4.0, 0.0, 1.0], [12.0, 0.0, 100.0]])  # T = 1 x 4 and 3 x 4 at (4, 4)
+    new, _ = balancer.rebalance((4, 4), lambda row: gathered, groups_drawn=0, room=1)
+    assert new == (5, 3) and balancer.most == [5, 104]
 
 
 def test_step_time_fits_the_fixed_and_the_per_learner_cost() -> None:
@@ -84,7 +97,8 @@ def test_the_balancer_corrects_a_proportional_first_guess_with_a_second_window()
     for _ in range(3):
         times = [truth[rank](k) for rank, k in enumerate(split)]
         balancer._window = [0.0]  # (replaced by the gathered times below)
-        new, _ = balancer.rebalance(split, lambda row: torch.tensor([[t, 0.0] for t in times]), groups_drawn=0)
+        gathered = torch.tensor([[t, 0.0, 100.0] for t in times])  # (busy seconds, groups drawn, room)
+        new, _ = balancer.rebalance(split, lambda row: gathered, groups_drawn=0, room=100)
         split = new or split
     best = min(((a, 12 - a) for a in range(1, 12)), key=lambda s: step_seconds(s, truth))
     assert split == best == (10, 2)
