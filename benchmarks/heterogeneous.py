@@ -194,23 +194,31 @@ def main() -> None:
             run = {
                 "heterogeneous": heterogeneous,
                 "uniform": _launch(out, "throughput", "uniform", "2", "0", "0"),
-                "alone": [_launch(out, "throughput", "uniform", "1", str(rank), str(split[rank]))["samples_per_sec"] for rank in range(2)],
+                "alone": [
+                    _launch(out, "throughput", "uniform", "1", str(rank), str(split[rank]))["samples_per_sec"]
+                    for rank in range(2)
+                ],
             }
             run["alone_side_by_side"] = _alone_side_by_side(Path(scratch), split)
             run["heterogeneous_over_sum_alone"] = heterogeneous["samples_per_sec"] / sum(run["alone"])
-            run["heterogeneous_over_sum_side_by_side"] = heterogeneous["samples_per_sec"] / sum(run["alone_side_by_side"])
+            run["heterogeneous_over_sum_side_by_side"] = heterogeneous["samples_per_sec"] / sum(
+                run["alone_side_by_side"]
+            )
             run["heterogeneous_over_uniform"] = heterogeneous["samples_per_sec"] / run["uniform"]["samples_per_sec"]
             equal_pair = _launch(out, "throughput", "uniform", "2", "0", "0", throttle=False)["samples_per_sec"]
             equal_alone = _launch(out, "throughput", "uniform", "1", "0", str(k), throttle=False)["samples_per_sec"]
             run["unthrottled"] = {"two_processes": equal_pair, "one_alone": equal_alone}
             run["unthrottled_two_over_twice_alone"] = equal_pair / (2 * equal_alone)
             runs.append(run)
-            print(f"repeat {repeat}: split {split}, samples/s heterogeneous {heterogeneous['samples_per_sec']:.0f},"
-                  f" uniform {run['uniform']['samples_per_sec']:.0f}, alone {run['alone'][0]:.0f} + {run['alone'][1]:.0f};"
-                  f" heterogeneous / sum alone {run['heterogeneous_over_sum_alone']:.2f}, / sum side by side"
-                  f" {run['heterogeneous_over_sum_side_by_side']:.2f},"
-                  f" / uniform {run['heterogeneous_over_uniform']:.2f}; unthrottled, 2 processes / twice one alone"
-                  f" {run['unthrottled_two_over_twice_alone']:.2f}", flush=True)
+            print(
+                f"repeat {repeat}: split {split}, samples/s heterogeneous {heterogeneous['samples_per_sec']:.0f},"
+                f" uniform {run['uniform']['samples_per_sec']:.0f}, alone {run['alone'][0]:.0f} + {run['alone'][1]:.0f};"
+                f" heterogeneous / sum alone {run['heterogeneous_over_sum_alone']:.2f}, / sum side by side"
+                f" {run['heterogeneous_over_sum_side_by_side']:.2f},"
+                f" / uniform {run['heterogeneous_over_uniform']:.2f}; unthrottled, 2 processes / twice one alone"
+                f" {run['unthrottled_two_over_twice_alone']:.2f}",
+                flush=True,
+            )
         accuracy: dict[str, Any] = {}
         for mode in () if args.throughput_only else ("uniform", "heterogeneous"):
             results = [_launch(out, "accuracy", mode, str(seed)) for seed in seeds]
@@ -220,8 +228,11 @@ def main() -> None:
                 "median_seconds": _median([r["seconds_to_target"] for r in results]),
                 "reached": sum(r["epochs_to_target"] is not None for r in results),
             }
-            print(f"to 90% MNIST-1D, {mode}: epochs {accuracy[mode]['median_epochs']},"
-                  f" seconds {accuracy[mode]['median_seconds']}, reached {accuracy[mode]['reached']}/{len(seeds)}", flush=True)
+            print(
+                f"to 90% MNIST-1D, {mode}: epochs {accuracy[mode]['median_epochs']},"
+                f" seconds {accuracy[mode]['median_seconds']}, reached {accuracy[mode]['reached']}/{len(seeds)}",
+                flush=True,
+            )
     command = "python benchmarks/heterogeneous.py" + (" --quick" if args.quick else "")
     if args.batch_size != 16:
         command += f" --batch-size {args.batch_size}"
@@ -237,7 +248,9 @@ def main() -> None:
         warmup_steps=warmup,
         runs=runs,
         median_heterogeneous_over_sum_alone=statistics.median(r["heterogeneous_over_sum_alone"] for r in runs),
-        median_heterogeneous_over_sum_side_by_side=statistics.median(r["heterogeneous_over_sum_side_by_side"] for r in runs),
+        median_heterogeneous_over_sum_side_by_side=statistics.median(
+            r["heterogeneous_over_sum_side_by_side"] for r in runs
+        ),
         median_heterogeneous_over_uniform=statistics.median(r["heterogeneous_over_uniform"] for r in runs),
         median_unthrottled_two_over_twice_alone=statistics.median(r["unthrottled_two_over_twice_alone"] for r in runs),
         median_samples_per_sec={

@@ -68,7 +68,9 @@ def split_learners(
     ranks = len(step_times)
     most = [num_learners] * ranks if most is None else list(most)
     if num_learners < ranks or sum(min(m, num_learners) for m in most) < num_learners or min(most) < 1:
-        raise ValueError(f"{num_learners} learners cannot be split over {ranks} ranks with at least one and at most {most}.")
+        raise ValueError(
+            f"{num_learners} learners cannot be split over {ranks} ranks with at least one and at most {most}."
+        )
     split = [1] * ranks
     for _ in range(num_learners - ranks):
         rank = min((r for r in range(ranks) if split[r] < most[r]), key=lambda r: (step_times[r](split[r] + 1), r))
@@ -85,10 +87,11 @@ class SpeedBalancer:
     """Measures every rank's busy time per step and re-splits the learners when that pays.
 
     Each window, every rank's median busy seconds per step ``T_r`` at its ``k_r`` are gathered (one small
-    all-gather), with how many more learners fit in its memory. Per rank, the latest ``T`` at each of the last ``remember`` distinct k fit a
-    :class:`StepTime` model; :func:`split_learners` splits the same ``K`` by the models, and the
-    balancer switches when the predicted step is at least ``min_gain`` shorter. A first window at an
-    even split only gives proportional models; the next window at the new split corrects them.
+    all-gather), with how many more learners fit in its memory. Per rank, the latest ``T`` at each of
+    the last ``remember`` distinct k fit a :class:`StepTime` model; :func:`split_learners` splits the
+    same ``K`` by the models, within memory, and the balancer switches when the predicted step is at
+    least ``min_gain`` shorter. A first window at an even split only gives proportional models; the
+    next window at the new split corrects them.
 
     Args:
         every: steps per window; the window's median step counts (robust to the steps that hold an

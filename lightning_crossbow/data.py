@@ -18,6 +18,9 @@ from typing import Any
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
 
 
+_OWN_ATTRIBUTES = ("loader", "num_replicas", "groups_yielded", "batches_taken", "_returned", "plan", "routed_sampler")
+
+
 class ReplicaBatchLoader:
     """Wraps a loader so that each item is a list of ``num_replicas`` consecutive batches.
 
@@ -74,7 +77,7 @@ class ReplicaBatchLoader:
         return len(self.loader) % self.num_replicas if isinstance(self.loader, Sized) else 0
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "num_replicas", "groups_yielded", "batches_taken", "_returned", "plan", "routed_sampler"):  # not set yet (e.g. while unpickling)
+        if name in _OWN_ATTRIBUTES:  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
         return getattr(self.loader, name)
 

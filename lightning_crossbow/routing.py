@@ -73,7 +73,9 @@ class RoutingPlan:
         """
         check_split(split, len(self.latest))
         if from_group < self.groups_drawn:
-            raise ValueError(f"group {from_group} is already drawn; a new split can start at {self.groups_drawn} or later.")
+            raise ValueError(
+                f"group {from_group} is already drawn; a new split can start at {self.groups_drawn} or later."
+            )
         while len(self._starts) > 1 and self._starts[-1] >= from_group:  # superseded changes no rank has reached
             self._starts.pop()
             self._splits.pop()

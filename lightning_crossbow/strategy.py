@@ -265,8 +265,9 @@ class CrossbowStrategy(DDPStrategy):
         if self.auto_replicas and not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
             trainer.callbacks.append(ReplicaAutoTuner())
         if self.world_size == 1 or self.balancer is not None:
-            # Heterogeneous mode routes the data itself. One process: keep the user's DataLoader and sampler exactly as they are (Lightning would
-            # otherwise inject a shuffling DistributedSampler because this is a DDPStrategy).
+            # One process: keep the user's DataLoader and sampler exactly as they are (Lightning would otherwise
+            # inject a shuffling DistributedSampler because this is a DDPStrategy). Heterogeneous mode routes the
+            # data itself (process_dataloader).
             trainer._accelerator_connector.use_distributed_sampler = False
         if type(self.accelerator) in (CPUAccelerator, CUDAAccelerator):
             self.accelerator = CrossbowAccelerator(self.root_device.type)

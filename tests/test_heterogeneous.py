@@ -85,7 +85,9 @@ def test_step_time_fits_the_fixed_and_the_per_learner_cost() -> None:
     assert StepTime.fit({4: 6.0, 6: 8.0}) == StepTime(2.0, 1.0)
     assert StepTime.fit({2: 4.0, 4: 6.0, 6: 8.0}) == StepTime(2.0, 1.0)
     assert StepTime.fit({4: 6.0}) == StepTime(0.0, 1.5)  # one point: proportional
-    assert StepTime.fit({4: 6.0, 6: 5.0}) == StepTime(0.0, 5.0 / 6.0)  # falling with k (noise): the largest k's, proportional
+    assert StepTime.fit({4: 6.0, 6: 5.0}) == StepTime(
+        0.0, 5.0 / 6.0
+    )  # falling with k (noise): the largest k's, proportional
 
 
 def test_the_balancer_corrects_a_proportional_first_guess_with_a_second_window() -> None:
@@ -233,9 +235,13 @@ def test_heterogeneous_resume_carries_on_with_the_measured_split_exactly(tmp_pat
 
 def test_heterogeneous_mode_refuses_what_it_cannot_route_or_accumulate() -> None:
     dataset = make_data(num_samples=32)
-    with_replacement = DataLoader(dataset, batch_size=8, sampler=torch.utils.data.RandomSampler(dataset, replacement=True))
+    with_replacement = DataLoader(
+        dataset, batch_size=8, sampler=torch.utils.data.RandomSampler(dataset, replacement=True)
+    )
     with pytest.raises(ValueError, match="without replacement over the whole dataset"):
-        trainer(strategy=CrossbowStrategy(replicas_per_device=2, heterogeneous=True)).fit(Classifier(), with_replacement)
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2, heterogeneous=True)).fit(
+            Classifier(), with_replacement
+        )
     strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
     with pytest.raises(ValueError, match="cannot be combined with accumulate_grad_batches > 1"):
         trainer(strategy=strategy, accumulate_grad_batches=2).fit(Classifier(), loader(dataset))
