@@ -2,7 +2,7 @@
 
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
        [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune] [--algorithm A]
-       [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA] [--second-fit]
+       [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA] [--second-fit] [--uneven-datasets]
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--outer-lr", type=float)
     parser.add_argument("--second-fit", action="store_true", help="fit once more, one epoch, with the same strategy")
+    parser.add_argument("--uneven-datasets", action="store_true", help="rank 1's dataset is one batch shorter")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
@@ -161,7 +162,8 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    datamodule = Unsharded(args.samples) if args.distributed_sampler or balancer is not None else Sharded()
+    samples = args.samples - (8 if args.uneven_datasets and os.environ.get("LOCAL_RANK") == "1" else 0)
+    datamodule = Unsharded(samples) if args.distributed_sampler or balancer is not None else Sharded()
     model = Classifier(optimizer=args.optimizer)
     trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
     if args.second_fit:

@@ -247,6 +247,28 @@ def test_heterogeneous_mode_refuses_what_it_cannot_route_or_accumulate() -> None
         trainer(strategy=strategy, accumulate_grad_batches=2).fit(Classifier(), loader(dataset))
 
 
+def test_heterogeneous_mode_refuses_an_iterable_dataset() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            return iter(make_data(num_samples=32))
+
+    strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
+    with pytest.raises(ValueError, match="needs a map-style dataset"):
+        trainer(strategy=strategy).fit(Classifier(), DataLoader(Stream(), batch_size=8))
+
+
+def test_ranks_with_different_datasets_fail_before_training(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    result = _run(tmp_path, "popen", "2", "--heterogeneous", "1,1", "--samples", "96", "--uneven-datasets")
+    assert result.returncode != 0
+    assert (
+        "ValueError: crossbow: heterogeneous=True needs the whole dataset and the same seed on every rank"
+        in result.stderr
+    )
+    assert "(dataset length, PL_GLOBAL_SEED) = [(96, 0), (88, 0)]" in result.stderr
+    assert not list(tmp_path.glob("rank*.pt"))  # no rank trained
+
+
 def test_speed_balancer_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="every must be a positive int"):
         SpeedBalancer(every=0)
