@@ -174,6 +174,7 @@ def train_to_target(workload: Workload, config: dict[str, Any], seed: int, max_e
     curve = TestAccuracyCurve(data.test_dataloader(), workload.target)
     trainer = bare_trainer(
         config["strategy"](),
+        devices=config.get("devices", 1),
         max_epochs=max_epochs,
         callbacks=[curve, *config.get("callbacks", list)()],
         num_sanity_val_steps=0,

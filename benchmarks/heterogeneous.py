@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.accuracy import WORKLOADS, TestAccuracyCurve, _median  # noqa: E402
+from benchmarks.accuracy import WORKLOADS, _median, train_to_target  # noqa: E402
 from benchmarks.throughput import StepTimer, bare_trainer, results_dir, save_result  # noqa: E402
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
@@ -111,26 +111,16 @@ def throughput_phase(mode: str, k: int, devices: int, rank_alone: int, steps: in
 def accuracy_phase(mode: str, k: int, seed: int, max_epochs: int) -> dict[str, Any]:
     """Epochs and training seconds to 90% MNIST-1D test accuracy on 2 processes, rank 1 throttled."""
     torch.set_num_threads(1)
-    workload = WORKLOADS["mnist1d"]
-    L.seed_everything(seed, verbose=False)
-    data = workload.data(BATCH, seed)
-    data.setup("fit")
-    curve, splits = TestAccuracyCurve(data.test_dataloader(), workload.target), SplitRecorder()
-    trainer = bare_trainer(
-        _strategy(mode, k), devices=2, max_epochs=max_epochs, callbacks=[curve, splits], num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )  # fmt: skip
-    trainer.callbacks.extend(_throttled(int(os.environ.get("LOCAL_RANK", 0))))
-    trainer.fit(Classifier(workload.net(), lr=workload.lr), train_dataloaders=data.train_dataloader())
-    reached = next((point for point in curve.curve if point["test_acc"] >= workload.target), None)
-    return {
-        "seed": seed,
-        "epochs_to_target": reached["epoch"] if reached else None,
-        "seconds_to_target": reached["wall_s"] if reached else None,
-        "best_test_acc": max(point["test_acc"] for point in curve.curve),
-        "split": splits.split,
-        "splits": splits.history,
+    splits = SplitRecorder()
+    config = {
+        "strategy": lambda: _strategy(mode, k),
+        "devices": 2,
+        "callbacks": lambda: [splits, *_throttled(int(os.environ.get("LOCAL_RANK", 0)))],
+        "batch": 1,
+        "lr": 1.0,
     }
+    result = train_to_target(WORKLOADS["mnist1d"], config, seed, max_epochs, b=BATCH)
+    return {**result, "split": splits.split, "splits": splits.history}
 
 
 def _start(out: Path, *phase: str, throttle: bool = True) -> subprocess.Popen:

@@ -130,7 +130,7 @@ class SpeedBalancer:
         self.most: Optional[list[int]] = None
 
     def restart(self) -> None:
-        """Forgets the step in progress and the window (at a new fit)."""
+        """Forgets the step in progress and the window (at a new fit, or when another split comes in force)."""
         self._busy_since = None
         self._window.clear()
 
