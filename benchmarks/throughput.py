@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Optional
 
 import lightning as L
@@ -32,7 +33,9 @@ from lightning_crossbow import CrossbowStrategy  # noqa: E402
 
 
 class StepTimer(L.Callback):
-    """Wall time of the training steps after ``warmup`` steps (batch start to batch start)."""
+    """Wall time of the training steps after ``warmup`` steps (first timed batch's start to last batch's end).
+
+    On CUDA the clock is read after ``torch.cuda.synchronize()``, so queued kernels are counted."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
@@ -40,20 +43,26 @@ class StepTimer(L.Callback):
         self.end: Optional[float] = None
         self.steps = 0
 
+    @staticmethod
+    def _now(pl_module: L.LightningModule) -> float:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        return time.perf_counter()
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == self.warmup:
-            self.start = time.perf_counter()
+            self.start = self._now(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx >= self.warmup:
-            self.end = time.perf_counter()
+            self.end = self._now(pl_module)
             self.steps = batch_idx - self.warmup + 1
 
 
-def bare_trainer(strategy: Any, devices: int = 1, **kwargs: Any) -> L.Trainer:
-    """A CPU Trainer without logger, checkpoints, progress bar or summary: nothing but training is timed."""
+def bare_trainer(strategy: Any, devices: int = 1, accelerator: str = "cpu", **kwargs: Any) -> L.Trainer:
+    """A Trainer without logger, checkpoints, progress bar or summary: nothing but training is timed."""
     defaults: dict[str, Any] = dict(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_epochs=1,
@@ -65,14 +74,24 @@ def bare_trainer(strategy: Any, devices: int = 1, **kwargs: Any) -> L.Trainer:
     return L.Trainer(**{**defaults, **kwargs})
 
 
-def samples_per_second(strategy: Any, k: int, batch_size: int, steps: int, warmup: int) -> float:
-    """Trains ``warmup + steps`` steps of ``k`` batches of ``batch_size``; returns measured samples/s."""
+def samples_per_second(
+    strategy: Any,
+    k: int,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    net: Optional[Callable[[], torch.nn.Module]] = None,
+    input_shape: tuple[int, ...] = (40,),
+    accelerator: str = "cpu",
+) -> float:
+    """Trains ``warmup + steps`` steps of ``k`` batches of ``batch_size`` random inputs of ``input_shape``
+    (default: the MNIST-1D CNN on MNIST-1D-shaped data); returns measured samples/s."""
     torch.manual_seed(0)
     n = (warmup + steps) * k * batch_size
-    data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
+    data = TensorDataset(torch.randn(n, *input_shape), torch.randint(0, 10, (n,)))
     timer = StepTimer(warmup)
-    trainer = bare_trainer(strategy, callbacks=[timer])
-    model = Classifier(conv1d_net(40, 10), lr=0.01)
+    trainer = bare_trainer(strategy, accelerator=accelerator, callbacks=[timer])
+    model = Classifier(net() if net is not None else conv1d_net(40, 10), lr=0.01)
     trainer.fit(model, DataLoader(data, batch_size=batch_size))
     return timer.steps * k * batch_size / (timer.end - timer.start)
 

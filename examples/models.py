@@ -38,6 +38,36 @@ def mlp(in_features: int = 40, num_classes: int = 10, hidden: int = 128, depth: 
     return nn.Sequential(*layers, nn.Linear(width, num_classes))
 
 
+class _BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm and a residual connection (He et al., 2016)."""
+
+    def __init__(self, channels_in: int, channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels, 1, stride=stride, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet20(num_classes: int = 10) -> nn.Module:
+    """ResNet-20 for 32x32 images (He et al., 2016, section 4.2): three stages of three basic blocks with
+    16, 32 and 64 channels, then global average pooling and a linear layer (0.27 M parameters)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
+    channels_in = 16
+    for channels, stride in ((16, 1), (32, 2), (64, 2)):
+        for block in range(3):
+            layers.append(_BasicBlock(channels_in, channels, stride if block == 0 else 1))
+            channels_in = channels
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+
+
 class Classifier(L.LightningModule):
     """Cross-entropy classification with SGD (momentum) and an optional step LR schedule.
 

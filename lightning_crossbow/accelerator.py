@@ -3,7 +3,8 @@
 It delegates device handling to Lightning's own CUDA or CPU accelerator and adds what crossbow
 needs to read while training: memory used and free on the device (the replica auto-tuner's bound)
 and the strategy's measured training throughput, through ``get_device_stats`` (so loggers and
-``DeviceStatsMonitor`` see them too).
+``DeviceStatsMonitor`` see them too). On CUDA it holds each device's pool of streams
+(:class:`~lightning_crossbow.streams.StreamPool`) for ``engine="streams"``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from typing_extensions import override
 
+from lightning_crossbow.streams import StreamPool
 
 
 def _base_class() -> type[Accelerator]:
@@ -48,6 +50,13 @@ class CrossbowAccelerator(Accelerator):
         self.device_type = device_type
         self._base: Accelerator = CUDAAccelerator() if device_type == "cuda" else CPUAccelerator()
         self.samples_per_second: Optional[float] = None  # written by CrossbowStrategy after each step
+        self._stream_pools: dict[torch.device, StreamPool] = {}
+
+    def stream_pool(self, device: torch.device) -> StreamPool:
+        """The CUDA streams of ``device`` for ``engine="streams"``: one pool per device, made on first use."""
+        if device not in self._stream_pools:
+            self._stream_pools[device] = StreamPool(device)
+        return self._stream_pools[device]
 
     @override
     def setup_device(self, device: torch.device) -> None:
@@ -59,6 +68,7 @@ class CrossbowAccelerator(Accelerator):
 
     @override
     def teardown(self) -> None:
+        self._stream_pools.clear()
         self._base.teardown()
 
     @override

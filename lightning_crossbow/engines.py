@@ -8,27 +8,36 @@ replica the gradient of its own loss, in the stack's ``.grad``.
 - :class:`FusedEngine`: one batched computation over the stack with ``torch.func.vmap``
   (``randomness="different"``: dropout draws differ per replica).
 - :class:`SequentialEngine`: a Python loop over the replicas; runs any ``training_step``.
+- :class:`StreamsEngine`: the sequential loop with each replica's work on its own CUDA stream
+  (:mod:`~lightning_crossbow.streams`), so that the replicas' kernels can run side by side on the GPU.
 - :class:`AutoEngine`: fused, falling back to sequential for good (with one warning naming the
   reason) the first time the user's ``training_step`` cannot run under ``vmap``.
+- :class:`FastestEngine`: times candidate engines for a few steps and keeps the fastest (``"auto"`` on
+  CUDA: fused against streams).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import ReplicaStack
+from lightning_crossbow.streams import StreamPool
 
-ENGINES = ("auto", "fused", "sequential")
+ENGINES = ("auto", "fused", "sequential", "streams")
 
 
 class NotFusableError(RuntimeError):
@@ -95,6 +104,20 @@ class Engine(ABC):
     def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
         """Runs ``training_step(batches[j], *args)`` for every replica ``j``."""
 
+    def timed(self) -> ContextManager[Any]:
+        """Wraps one step's forward and backward: an engine that chooses by measurement times it."""
+        return nullcontext()
+
+    @property
+    def uses_streams(self) -> bool:
+        """Whether the replicas run on the CUDA streams of a :class:`StreamPool` (then so does the averaging)."""
+        return False
+
+    @property
+    def fused_failed(self) -> bool:
+        """Whether the user's ``training_step`` proved unable to run fused (so a new engine need not try)."""
+        return False
+
 
 class SequentialEngine(Engine):
     """One ``training_step`` call per replica, in a loop. Runs anything plain Lightning runs."""
@@ -102,13 +125,11 @@ class SequentialEngine(Engine):
     name = "sequential"
 
     def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+        outputs = self._replica_outputs(stack, batches, args, capture)
         losses: list[Tensor] = []
         extras: list[dict[str, Any]] = []
         returned_dict = False
-        for (params, buffers), batch in zip(stack.unbind(), batches, strict=True):
-            with capture.recording(self.module) as calls:
-                output = self._training_step(_prefixed(params), _prefixed(buffers), batch, args)
-            capture.add(calls)
+        for output in outputs:
             loss, extra, is_dict = _split_output(output)
             returned_dict |= is_dict
             # A replica whose training_step returns None skips the step: no loss, no gradient.
@@ -118,6 +139,59 @@ class SequentialEngine(Engine):
         total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         detached = torch.stack([loss.detach() for loss in losses])
         return ReplicaStepOutput(total, detached, _mean_extras(extras), returned_dict)
+
+    def _replica_outputs(
+        self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
+    ) -> list[Any]:
+        """What every replica's ``training_step`` returned, in replica order."""
+        outputs = []
+        for index, ((params, buffers), batch) in enumerate(zip(stack.unbind(), batches, strict=True)):
+            with self._replica_context(index), capture.recording(self.module) as calls:
+                outputs.append(self._training_step(_prefixed(params), _prefixed(buffers), batch, args))
+            capture.add(calls)
+        return outputs
+
+    def _replica_context(self, index: int) -> ContextManager[Any]:
+        """Where replica ``index``'s work is queued: here, wherever the step is."""
+        return nullcontext()
+
+
+class StreamsEngine(SequentialEngine):
+    """Each replica's forward (and so its backward) on its own CUDA stream of a :class:`StreamPool`.
+
+    The replicas' streams wait for the work queued before the step; the losses are combined on the
+    issuing stream once every replica stream is done. The batches, allocated on the issuing stream, are
+    kept from reuse until the replica streams are done with them.
+    """
+
+    name = "streams"
+
+    def __init__(self, module: nn.Module, pool: StreamPool) -> None:
+        super().__init__(module)
+        self.pool = pool
+        self._streams: list[Any] = []
+
+    def _replica_outputs(
+        self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
+    ) -> list[Any]:
+        issuing = self.pool.current()
+        self._streams = self.pool.replica_streams(len(batches))
+        for stream, batch in zip(self._streams, batches):
+            self.pool.wait(stream, issuing)
+            for leaf in tree_flatten(batch)[0]:
+                if isinstance(leaf, Tensor):
+                    self.pool.keep_for(leaf, stream)
+        outputs = super()._replica_outputs(stack, batches, args, capture)
+        for stream in self._streams:
+            self.pool.wait(issuing, stream)
+        return outputs
+
+    def _replica_context(self, index: int) -> ContextManager[Any]:
+        return self.pool.use(self._streams[index])
+
+    @property
+    def uses_streams(self) -> bool:
+        return True
 
 
 class FusedEngine(Engine):
@@ -202,14 +276,121 @@ class AutoEngine(Engine):
         self._proven = True
         return output
 
+    @property
+    def fused_failed(self) -> bool:
+        return self.active is self.sequential
 
-def make_engine(name: str, module: nn.Module, num_replicas: int) -> Engine:
-    """The engine called ``name``; with one replica ``auto`` and ``fused`` loop once (no vmap)."""
+
+class FastestEngine(Engine):
+    """Runs each candidate engine for a few steps, times them, and keeps the fastest from then on.
+
+    Each candidate first runs ``warmup`` unmeasured steps (allocations, kernel selection); then the
+    candidates take turns for ``trials`` measured steps each, so that a slow phase of a shared device
+    falls on all of them. A step's time is its forward and backward (:meth:`timed`, which the strategy
+    wraps around them), between two ``synchronize()`` calls so that queued device work is counted. The
+    candidate with the smallest median time wins. On CUDA, ``engine="auto"`` chooses so between fused
+    (falling back to sequential) and streams.
+    """
+
+    name = "auto"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        candidates: Mapping[str, Engine],
+        warmup: int = 2,
+        trials: int = 5,
+        clock: Callable[[], float] = time.perf_counter,
+        synchronize: Callable[[], None] = lambda: None,
+    ) -> None:
+        super().__init__(module)
+        if not candidates:
+            raise ValueError("FastestEngine needs at least one candidate engine.")
+        self.candidates = dict(candidates)
+        self.clock, self.synchronize = clock, synchronize
+        names = list(self.candidates)
+        #: The candidate of every trial step, in order; the first ``len(names) * warmup`` are not measured.
+        self.schedule = [n for n in names for _ in range(warmup)] + [n for _ in range(trials) for n in names]
+        self._unmeasured = len(names) * warmup
+        self._trial = 0
+        #: Measured seconds per step of each candidate.
+        self.seconds: dict[str, list[float]] = {n: [] for n in names}
+        #: The name of the candidate kept (None while trials run).
+        self.chosen: Optional[str] = None
+        self.active: Engine = self.candidates[names[0]]
+
+    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+        if self.chosen is None:
+            self.active = self.candidates[self.schedule[self._trial]]
+        return self.active.run(stack, batches, args, capture)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        if self.chosen is not None:
+            yield
+            return
+        name = self.schedule[self._trial]
+        self.synchronize()
+        started = self.clock()
+        yield
+        self.synchronize()
+        if self._trial >= self._unmeasured:
+            self.seconds[name].append(self.clock() - started)
+        self._trial += 1
+        if self._trial == len(self.schedule):
+            self._choose()
+
+    def _choose(self) -> None:
+        medians = {name: statistics.median(times) for name, times in self.seconds.items()}
+        self.chosen = min(medians, key=medians.__getitem__)
+        self.active = self.candidates[self.chosen]
+        measured = ", ".join(f"{_engine_label(name, self.candidates[name])} {1e3 * t:.2f}" for name, t in medians.items())
+        rank_zero_info(f"crossbow: engine='auto' measured forward+backward ms per step: {measured}; keeping {self.chosen!r}.")
+
+    @property
+    def uses_streams(self) -> bool:
+        return self.active.uses_streams
+
+    @property
+    def fused_failed(self) -> bool:
+        return any(engine.fused_failed for engine in self.candidates.values())
+
+
+def make_engine(
+    name: str, module: nn.Module, num_replicas: int, streams: Optional[StreamPool] = None, fused_failed: bool = False
+) -> Engine:
+    """The engine called ``name``, for ``num_replicas`` replicas.
+
+    ``"auto"`` is fused, falling back to sequential (directly sequential when ``fused_failed``); given a
+    CUDA ``streams`` pool it is whichever of that and ``"streams"`` measures faster (:class:`FastestEngine`).
+    With one replica ``"auto"``, ``"fused"`` and ``"sequential"`` all loop once (no vmap, nothing to choose).
+    """
     if name not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {name!r}.")
+    if name == "streams":
+        if streams is None:
+            raise ValueError(STREAMS_NEED_CUDA.format(device="a device that is not CUDA"))
+        return StreamsEngine(module, streams)
     if name == "sequential" or num_replicas == 1:
         return SequentialEngine(module)
-    return FusedEngine(module) if name == "fused" else AutoEngine(module)
+    if name == "fused":
+        return FusedEngine(module)
+    fused: Engine = SequentialEngine(module) if fused_failed else AutoEngine(module)
+    if streams is None:
+        return fused
+    return FastestEngine(module, {"fused": fused, "streams": StreamsEngine(module, streams)}, synchronize=streams.synchronize)
+
+
+STREAMS_NEED_CUDA = (
+    "engine='streams' runs every replica on its own CUDA stream and needs a CUDA device; this run is on {device}."
+    " Use engine='auto', 'fused' or 'sequential'."
+)
+
+
+def _engine_label(name: str, engine: Engine) -> str:
+    """A candidate's name, with what it became if it changed (fused falling back to sequential)."""
+    actual = getattr(engine, "active", engine).name
+    return name if actual in (name, "auto") else f"{name} ({actual})"
 
 
 def _shares_tensors(module: nn.Module) -> bool:

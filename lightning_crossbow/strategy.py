@@ -20,7 +20,8 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from contextlib import nullcontext
+from typing import Any, ContextManager, Literal, Optional, Union
 
 import torch
 import lightning.pytorch as pl
@@ -65,7 +66,7 @@ from lightning_crossbow.algorithms import (
 from lightning_crossbow.balancing import SpeedBalancer
 from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
 from lightning_crossbow.data import ReplicaBatchLoader, RoutedBatchLoader
-from lightning_crossbow.engines import ENGINES, AutoEngine, Engine, make_engine
+from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
     check_elementwise,
@@ -76,6 +77,7 @@ from lightning_crossbow.optim import (
 )
 from lightning_crossbow.replicas import ReplicaStack
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split
+from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
 
 #: An LR decrease between two consecutive steps counts as a "drop" (and resets the replicas to z
@@ -130,7 +132,10 @@ class CrossbowStrategy(DDPStrategy):
         warmup_epochs: ``scaled_averaging`` only: epochs over which the outer learning rate rises
             linearly from 1 (default 0: the adaptive gain warms up by itself).
         engine: ``"auto"`` (fused, falling back to sequential when the training_step cannot run under
-            vmap), ``"fused"`` (torch.func.vmap over the stacked replicas) or ``"sequential"``.
+            vmap; on CUDA, whichever of that and ``"streams"`` measures faster over the first steps),
+            ``"fused"`` (torch.func.vmap over the stacked replicas), ``"sequential"`` (a loop), or
+            ``"streams"`` (CUDA only: the loop with each replica on its own CUDA stream, and the averaging
+            on a synchronisation stream; see :mod:`~lightning_crossbow.streams`).
         reset_on_lr_drop: reset every replica to z when the learning rate drops (see ``LR_DROP_RATIO``).
         heterogeneous: for devices of different speed (Adaptive SGD): ``True`` (or a
             :class:`~lightning_crossbow.SpeedBalancer` to configure) splits the ``K = replicas_per_device x
@@ -154,7 +159,7 @@ class CrossbowStrategy(DDPStrategy):
         algorithm: AlgorithmName = "scaled_averaging",
         outer_lr: Union[float, Literal["adaptive", "linear"]] = "adaptive",
         warmup_epochs: float = 0.0,
-        engine: Literal["auto", "fused", "sequential"] = "auto",
+        engine: Literal["auto", "fused", "sequential", "streams"] = "auto",
         reset_on_lr_drop: bool = True,
         heterogeneous: Union[bool, SpeedBalancer] = False,
         elementwise_optimizers: Iterable[type[Optimizer]] = (),
@@ -225,6 +230,7 @@ class CrossbowStrategy(DDPStrategy):
         self._epoch_length_follows_k = False
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
+        self._own_stream_pool: Optional[StreamPool] = None  # when the accelerator is not crossbow's
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -329,13 +335,15 @@ class CrossbowStrategy(DDPStrategy):
         check_elementwise(optimizer, self.elementwise_optimizers)
         self._check_same_config_on_all_ranks()
         module = self.lightning_module
+        if self.engine_name == "streams" and self._stream_pool() is None:
+            raise ValueError(STREAMS_NEED_CUDA.format(device=self.root_device))
         self.stack = ReplicaStack(module, self.replicas_per_device)
         repoint_to_stack(
             optimizer,
             {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
             self.replicas_per_device,
         )
-        self.engine = make_engine(self.engine_name, module, self.replicas_per_device)
+        self.engine = make_engine(self.engine_name, module, self.replicas_per_device, self._stream_pool())
         if self.balancer is not None:
             if trainer.accumulate_grad_batches > 1:
                 raise ValueError(
@@ -563,9 +571,10 @@ class CrossbowStrategy(DDPStrategy):
             {id(old_leaves[name]): new for name, new in self.stack.params.items()},
             replicas_per_device,
         )
-        # An auto engine that already fell back to sequential stays sequential.
-        fell_back = isinstance(self.engine, AutoEngine) and self.engine.active is self.engine.sequential
-        self.engine = make_engine("sequential" if fell_back else self.engine_name, self.lightning_module, replicas_per_device)
+        # An auto engine whose fused attempt failed does not try again (on CUDA it still measures streams).
+        self.engine = make_engine(
+            self.engine_name, self.lightning_module, replicas_per_device, self._stream_pool(), self.engine.fused_failed
+        )
         self.replicas_per_device = replicas_per_device
         self._step_losses = None
         if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
@@ -600,7 +609,8 @@ class CrossbowStrategy(DDPStrategy):
         def closure_then_corrections() -> Any:
             # The optimizer runs this before it updates anything: after the replicas' forward and
             # backward (which may have changed k, see _back_off), the weights are still the pre-step w_j.
-            result = closure()
+            with self.engine.timed():  # an engine="auto" that is still measuring times forward and backward
+                result = closure()
             self.averaging.before_local_step(self.stack.buckets, self.num_learners)
             return result
 
@@ -622,7 +632,7 @@ class CrossbowStrategy(DDPStrategy):
             dropped=diverged,
             learner_weights=self._learner_weights(),
         )
-        with torch.no_grad():
+        with torch.no_grad(), self._averaging_stream():
             self.averaging.after_local_step(self.stack.buckets, step)
         if diverged is not None:
             if not self.averaging.center_is_learner_mean:  # (gossip's learners took their peers' weights)
@@ -643,6 +653,22 @@ class CrossbowStrategy(DDPStrategy):
         """The balancer times this rank's work on the host: on CUDA, wait for the queued kernels first."""
         if self.root_device.type == "cuda":
             torch.cuda.synchronize(self.root_device)
+
+    def _stream_pool(self) -> Optional[StreamPool]:
+        """The CUDA streams of this rank's device (the accelerator's pool), or None off CUDA."""
+        if self.root_device.type != "cuda":
+            return None
+        if isinstance(self.accelerator, CrossbowAccelerator):
+            return self.accelerator.stream_pool(self.root_device)
+        if self._own_stream_pool is None or self._own_stream_pool.device != self.root_device:
+            self._own_stream_pool = StreamPool(self.root_device)
+        return self._own_stream_pool
+
+    def _averaging_stream(self) -> ContextManager[Any]:
+        """With the replicas on CUDA streams, the averaging runs on the pool's synchronisation stream."""
+        assert self.engine is not None
+        pool = self._stream_pool()
+        return pool.on_sync_stream() if pool is not None and self.engine.uses_streams else nullcontext()
 
     def _learner_weights(self) -> Optional[Tensor]:
         """``K p_i`` of the local learners when the step's batches differ in size (heterogeneous mode), else None."""

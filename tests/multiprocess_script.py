@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float)
     parser.add_argument("--second-fit", action="store_true", help="fit once more, one epoch, with the same strategy")
     parser.add_argument("--uneven-datasets", action="store_true", help="rank 1's dataset is one batch shorter")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
+    parser.add_argument("--engine", default="auto")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
@@ -148,10 +150,11 @@ def main() -> None:
         replicas_per_device=k,
         start_method=args.launcher,
         heterogeneous=balancer if balancer is not None else False,
+        engine=args.engine,
         **options,
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=WORLD_SIZE,
         strategy=strategy,
         max_epochs=args.epochs,

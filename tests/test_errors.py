@@ -64,10 +64,18 @@ def test_arguments_that_do_not_apply_to_the_algorithm(arguments, message) -> Non
         CrossbowStrategy(**arguments)
 
 
-@pytest.mark.parametrize("value", ["streams", "vmap", ""])
+@pytest.mark.parametrize("value", ["cuda_streams", "vmap", ""])
 def test_unknown_engine(value) -> None:
-    with pytest.raises(ValueError, match=r"engine must be one of 'auto', 'fused', 'sequential'"):
+    with pytest.raises(ValueError, match=r"engine must be one of 'auto', 'fused', 'sequential', 'streams'"):
         CrossbowStrategy(engine=value)
+
+
+def test_the_streams_engine_needs_cuda_and_says_so_before_training() -> None:
+    model = Classifier()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"engine='streams' .* needs a CUDA device; this run is on cpu\. Use engine='auto'"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="streams")).fit(model, loader(make_data()))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # nothing trained
 
 
 class _Manual(Classifier):

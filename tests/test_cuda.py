@@ -1,0 +1,112 @@
+"""On a CUDA device: the streams engine, engine="auto"'s choice, the fused engine in bf16-mixed, the
+memory guard, and two GPUs over NCCL.
+
+Every test here is skipped where there is no CUDA device (CI has none). On a GPU machine:
+``python -m pytest tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_crossbow import CrossbowAccelerator, CrossbowStrategy, ReplicaAutoTuner
+from lightning_crossbow.accelerator import device_memory
+from lightning_crossbow.engines import FastestEngine, StreamsEngine
+from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, trainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class EngineSpy(ReplicaSnapshot):
+    """Keeps the replicas at the end of training and the engine at the last step."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.engine = trainer.strategy.engine
+
+
+def cuda_fit(engine: str, k: int = 4, epochs: int = 2, model: Any = None, **kwargs: Any) -> EngineSpy:
+    """Trains on one GPU (192 samples, batches of 8: 24 batches, 24/k steps per epoch); returns the spy."""
+    spy = EngineSpy()
+    strategy = CrossbowStrategy(replicas_per_device=k, engine=engine, algorithm="sma")
+    fit = trainer(accelerator="cuda", devices=1, strategy=strategy, callbacks=[spy], max_epochs=epochs, **kwargs)
+    fit.fit(model or Classifier(), loader(make_data(num_samples=192)))
+    return spy
+
+
+def assert_same_replicas(a: EngineSpy, b: EngineSpy) -> None:
+    for name, value in b.params.items():
+        torch.testing.assert_close(a.params[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_the_streams_engine_gives_the_sequential_engines_values_on_cuda() -> None:
+    assert_same_replicas(cuda_fit("streams"), cuda_fit("sequential"))
+
+
+class StreamRecorder(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.streams.append(torch.cuda.current_stream().stream_id)
+        return super().training_step(batch, batch_idx)
+
+
+def test_every_replica_runs_on_its_own_stream_and_none_on_the_default_stream() -> None:
+    model = StreamRecorder()
+    cuda_fit("streams", k=4, epochs=1, model=model)
+    per_step = [model.streams[i : i + 4] for i in range(0, len(model.streams), 4)]
+    assert len(set(per_step[0])) == 4 and torch.cuda.default_stream().stream_id not in per_step[0]
+    assert all(step == per_step[0] for step in per_step)  # the pool's streams are reused from step to step
+
+
+def test_auto_on_cuda_times_fused_against_streams_and_keeps_the_faster() -> None:
+    spy = cuda_fit("auto", epochs=4)  # 24 steps: the 14 trial steps end in epoch 3
+    engine = spy.engine
+    assert isinstance(engine, FastestEngine) and isinstance(engine.candidates["streams"], StreamsEngine)
+    medians = {name: sorted(times)[len(times) // 2] for name, times in engine.seconds.items()}
+    assert engine.chosen == min(medians, key=medians.__getitem__)
+    assert_same_replicas(spy, cuda_fit("sequential", epochs=4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs a CUDA device with bf16")
+@pytest.mark.parametrize("engine", ["fused", "streams"])
+def test_bf16_mixed_trains_on_cuda(engine: str) -> None:
+    spy = cuda_fit(engine, precision="bf16-mixed")
+    for value in spy.params.values():
+        assert value.dtype == torch.float32 and torch.isfinite(value).all()  # the weights stay float32
+    float32 = cuda_fit("sequential").params
+    assert max(float((spy.params[n] - v).abs().max()) for n, v in float32.items()) < 0.05  # close, not equal
+
+
+def test_the_memory_guard_reads_the_gpus_free_memory() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    memory = device_memory(device)
+    free, total = torch.cuda.mem_get_info(device)
+    assert 0 < memory["memory_free_bytes"] <= total
+    stats = CrossbowAccelerator("cuda").get_device_stats(device)
+    assert stats["memory_free_bytes"] > 0 and stats["memory_used_bytes"] > 0
+    tuner = ReplicaAutoTuner(window=2, warmup=0, threshold=0.0, max_replicas=3)
+    fit = trainer(accelerator="cuda", devices=1, strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner], max_epochs=2)
+    fit.fit(Classifier(), loader(make_data(num_samples=192)))
+    assert max(r.replicas_per_device for r in tuner.history) > 1  # the guard lets a small model's k climb
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("engine", ["fused", "streams"])
+def test_two_gpus_over_nccl_keep_z_identical(tmp_path: Path, engine: str) -> None:
+    script = Path(__file__).with_name("multiprocess_script.py")
+    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    command = [sys.executable, str(script), str(tmp_path), "popen", "2", "--accelerator", "cuda", "--engine", engine]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", map_location="cpu") for r in range(2)]
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,185 @@
+"""engine="streams" and engine="auto"'s choice by measurement, checked on CPU with host-side stand-in streams.
+
+A real :class:`StreamPool` needs CUDA (tests/test_cuda.py runs it on a GPU). Here ``HostStreamPool``
+keeps the pool's interface and records the order of the work: which stream each replica's
+training_step ran on, and every wait between streams. CPU kernels run in issue order, so the values
+must equal the sequential engine's bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_crossbow import CrossbowStrategy
+from lightning_crossbow.engines import Engine, FastestEngine, ReplicaStepOutput, StreamsEngine, make_engine
+from lightning_crossbow.streams import StreamPool
+from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, trainer
+
+
+class HostStreamPool(StreamPool):
+    """A stream pool without a GPU: streams are names, and every wait and stream switch is logged."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.sync_stream = "sync"
+        self._replica_streams: list[Any] = []
+        self._current = ["issuing"]
+        self.log: list[tuple[str, ...]] = []
+        self.kept: list[tuple[int, str]] = []
+
+    def replica_streams(self, count: int) -> list[Any]:
+        return [f"replica{j}" for j in range(count)]
+
+    def current(self) -> Any:
+        return self._current[-1]
+
+    @contextmanager
+    def use(self, stream: Any):  # noqa: ANN201
+        self._current.append(stream)
+        self.log.append(("enter", stream))
+        try:
+            yield
+        finally:
+            self._current.pop()
+            self.log.append(("exit", stream))
+
+    def wait(self, waiting: Any, on: Any) -> None:
+        self.log.append(("wait", waiting, on))
+
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
+        self.kept.append((id(tensor), stream))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize",))
+
+
+class StreamRecorder(Classifier):
+    """Records the stream each replica's training_step runs on."""
+
+    def __init__(self, pool: HostStreamPool) -> None:
+        super().__init__()
+        self.pool = pool
+        self.ran_on: list[Any] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.ran_on.append(self.pool.current())
+        return super().training_step(batch, batch_idx)
+
+
+def fit_with_pool(engine: str, pool: HostStreamPool, model: Classifier, monkeypatch, **kwargs: Any) -> tuple[Any, Any]:
+    monkeypatch.setattr(CrossbowStrategy, "_stream_pool", lambda self: pool)
+    snapshot = ReplicaSnapshot()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine=engine, **kwargs), callbacks=[snapshot])
+    fit.fit(model, loader(make_data(num_samples=96)))
+    return fit, snapshot
+
+
+def test_each_replica_runs_on_its_own_stream_ordered_by_waits(monkeypatch) -> None:
+    pool = HostStreamPool()
+    model = StreamRecorder(pool)
+    fit, _ = fit_with_pool("streams", pool, model, monkeypatch)
+    steps = fit.global_step
+    assert steps == 4
+    assert model.ran_on == ["replica0", "replica1", "replica2"] * steps
+    one_step = (
+        [("wait", f"replica{j}", "issuing") for j in range(3)]  # the replicas start after the batch's copy
+        + [entry for j in range(3) for entry in (("enter", f"replica{j}"), ("exit", f"replica{j}"))]
+        + [("wait", "issuing", f"replica{j}") for j in range(3)]  # the losses are combined after every replica
+        + [("wait", "sync", "issuing"), ("enter", "sync"), ("exit", "sync"), ("wait", "issuing", "sync")]  # averaging
+    )
+    assert pool.log == one_step * steps
+    # Both tensors of each replica's batch (inputs, targets) are kept from reuse until its stream is done.
+    assert [stream for _, stream in pool.kept] == [f"replica{j}" for j in range(3) for _ in range(2)] * steps
+
+
+@pytest.mark.parametrize("algorithm", ["sma", "scaled_averaging"])
+def test_the_streams_engine_gives_the_sequential_engines_values(monkeypatch, algorithm: str) -> None:
+    pool = HostStreamPool()
+    _, streams = fit_with_pool("streams", pool, Classifier(), monkeypatch, algorithm=algorithm)
+    monkeypatch.undo()
+    snapshot = ReplicaSnapshot()
+    trainer(
+        strategy=CrossbowStrategy(replicas_per_device=3, engine="sequential", algorithm=algorithm), callbacks=[snapshot]
+    ).fit(Classifier(), loader(make_data(num_samples=96)))
+    for name, value in snapshot.params.items():
+        assert torch.equal(streams.params[name], value), name
+    for key in ("replicas", "center_prev"):
+        assert all(torch.equal(a, b) for a, b in zip(streams.state[key], snapshot.state[key], strict=True))
+
+
+class _CostlyEngine(Engine):
+    """Runs the sequential engine and advances a fake clock by a fixed cost per step."""
+
+    def __init__(self, module: nn.Module, clock: list[float], cost: float, name: str) -> None:
+        super().__init__(module)
+        self.clock, self.cost, self.name, self.runs = clock, cost, name, 0
+
+    def run(self, stack: Any, batches: Sequence[Any], args: Sequence[Any], capture: Any) -> ReplicaStepOutput:
+        self.clock[0] += self.cost
+        self.runs += 1
+        return ReplicaStepOutput(torch.zeros(()), torch.zeros(len(batches)))
+
+
+def test_the_fastest_engine_measures_in_turns_and_keeps_the_fastest(caplog) -> None:
+    now = [0.0]
+    module = nn.Linear(2, 2)
+    slow, fast = _CostlyEngine(module, now, 0.004, "fused"), _CostlyEngine(module, now, 0.003, "streams")
+    syncs = []
+    engine = FastestEngine(
+        module, {"fused": slow, "streams": fast}, warmup=2, trials=3, clock=lambda: now[0], synchronize=lambda: syncs.append(1)
+    )
+    order = []
+    for _ in range(len(engine.schedule) + 4):
+        with engine.timed():
+            engine.run(None, [0, 1], (), None)
+        order.append(engine.active.name)
+    assert order == ["fused"] * 2 + ["streams"] * 2 + ["fused", "streams"] * 3 + ["streams"] * 4
+    assert engine.seconds == {"fused": [pytest.approx(0.004)] * 3, "streams": [pytest.approx(0.003)] * 3}
+    assert engine.chosen == "streams" and slow.runs == 5 and fast.runs == 9
+    assert len(syncs) == 2 * len(engine.schedule)  # the device is synchronized only while measuring
+
+
+class EngineSpy(ReplicaSnapshot):
+    """Also keeps the strategy's engine as it was at the last training step."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.engine = trainer.strategy.engine
+
+
+def test_auto_on_a_stream_device_measures_fused_against_streams_then_keeps_one(monkeypatch) -> None:
+    """With a stream pool (CUDA), engine="auto" times fused and streams in turns, keeps one, and trains on:
+    the values are the sequential engine's up to rounding (fused sums in another order)."""
+    pool = HostStreamPool()
+    monkeypatch.setattr(CrossbowStrategy, "_stream_pool", lambda self: pool)
+    spy = EngineSpy()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), callbacks=[spy], max_epochs=4)
+    fit.fit(Classifier(), loader(make_data(num_samples=96)))  # 24 steps: the 14 trial steps end in epoch 3
+    engine = spy.engine
+    assert isinstance(engine, FastestEngine) and engine.chosen in ("fused", "streams")
+    assert isinstance(engine.candidates["streams"], StreamsEngine)
+    assert {name: len(times) for name, times in engine.seconds.items()} == {"fused": 5, "streams": 5}
+    assert pool.log.count(("synchronize",)) == 2 * len(engine.schedule)  # synchronized only while measuring
+    monkeypatch.undo()
+    reference = ReplicaSnapshot()
+    trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2, engine="sequential", algorithm="sma"),
+        callbacks=[reference],
+        max_epochs=4,
+    ).fit(Classifier(), loader(make_data(num_samples=96)))
+    for name, value in reference.params.items():
+        torch.testing.assert_close(spy.params[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_make_engine_without_a_pool_refuses_streams_and_keeps_auto_as_fused_with_fallback() -> None:
+    module = Classifier()
+    with pytest.raises(ValueError, match="engine='streams' runs every replica on its own CUDA stream"):
+        make_engine("streams", module, 2)
+    assert type(make_engine("auto", module, 2)).__name__ == "AutoEngine"
+    assert type(make_engine("auto", module, 2, fused_failed=True)).__name__ == "SequentialEngine"
+    assert type(make_engine("auto", module, 1, HostStreamPool())).__name__ == "SequentialEngine"
