@@ -4,13 +4,18 @@ Every measurement is a window of ``window`` training steps, the first ``warmup``
 excluded; a step's time runs from the previous step's end to its own, and intervals that hold
 validation or an epoch boundary are not counted.
 
-- ``objective="throughput"`` (Crossbow's policy): while the last replica added raised samples/s by more
-  than ``threshold`` of a replica's share, add another; otherwise step back one and hold (after
-  measuring k-1 and k once more, and taking the gain over both windows of each). Every
-  ``recheck_every`` windows' worth of steps it tries one more replica again. The gain of
-  going from k-1 to k replicas is ``(R_k - R_{k-1}) / (R_{k-1} / (k-1))``: 1 when throughput scales
-  linearly, whatever k. (A plain relative gain ``R_k / R_{k-1} - 1`` is at most ``1/(k-1)`` even with
-  perfect scaling, so a 10% threshold would stop near k=10 on any device, and noise stops it far earlier.)
+- ``objective="throughput"`` (Crossbow's policy): hold the largest k whose last replica raised samples/s
+  by more than ``threshold`` of a replica's share, when the next replica does not. The gain of going
+  from k-1 to k replicas is ``(R_k - R_{k-1}) / (R_{k-1} / (k-1))``: 1 when throughput scales linearly,
+  whatever k. (A plain relative gain ``R_k / R_{k-1} - 1`` is at most ``1/(k-1)`` even with perfect
+  scaling, so a 10% threshold would stop near k=10 on any device, and noise stops it far earlier.)
+  Crossbow climbs one replica at a time (``climb="linear"``); by default the search doubles k while the
+  replicas pay off and then halves the gap (``"doubling"``). Both hold at the same k when each replica
+  pays off less than the one before; doubling spends fewer windows at small k on the way up (k=16 after
+  8 windows instead of 16) for a few more windows when the best k is small. Before it holds, it
+  measures the last pair (k, k+1) once more and judges on both windows of each. Every
+  ``recheck_every`` windows' worth of steps it searches again from the held k, starting with one more
+  replica.
 - ``objective="progress"``: time to accuracy is time per sample x samples to accuracy (Omnivore), and
   more replicas can need more samples. Progress per second is the decrease of the training loss per
   second (the least-squares slope of the per-step loss, mean over replicas, against wall time). The
@@ -44,6 +49,7 @@ from typing_extensions import override
 from lightning_crossbow.accelerator import device_memory
 
 OBJECTIVES = ("throughput", "progress")
+CLIMBS = ("doubling", "linear")
 
 
 @dataclass
@@ -54,6 +60,20 @@ class TuningRecord:
     replicas_per_device: int
     samples_per_sec: float
     progress_per_sec: float = float("nan")
+
+
+@dataclass
+class Climb:
+    """Where the throughput search stands (see ``ReplicaAutoTuner._decide``): the largest k whose last
+    replica paid off (``low``), the smallest k whose last replica did not (``high``, None until found), the k
+    being judged (``probe``), whether this judgement is the second look before holding, and whether this is
+    a search again from a held k (its first probe is one more replica, whatever the climb)."""
+
+    low: Optional[int] = None
+    high: Optional[int] = None
+    probe: Optional[int] = None
+    confirming: bool = False
+    again: bool = False
 
 
 class ReplicaAutoTuner(Callback):
@@ -69,9 +89,13 @@ class ReplicaAutoTuner(Callback):
         threshold: the gain that justifies one more replica: for ``"throughput"`` the samples/s the last
             replica added, as a fraction of the average replica's; for ``"progress"`` the relative gain
             in loss decrease per second.
-        recheck_every: once it holds, the tuner explores again (from the held k, one more replica, with the
-            same rule) after this many windows' worth of steps, so that a choice made on noisy windows, or
-            on conditions that changed, is revisited; ``None`` holds for good.
+        climb: ``"throughput"`` only: how the search climbs until a replica stops paying off: ``"doubling"``
+            (default: probes k = 2, 4, 8, ..., then halves the gap) or ``"linear"`` (Crossbow's: one replica at a
+            time). Both hold at the same k when each added replica pays off less than the one before; doubling
+            gets to a large k in far fewer windows, and takes a few more when the best k is small.
+        recheck_every: once it holds, the tuner explores again (from the held k, with the same rule) after
+            this many windows' worth of steps, so that a choice made on noisy windows, or on conditions that
+            changed, is revisited; ``None`` holds for good.
         clock: seconds as a float; tests inject one.
         plot: where to save a PNG of k over time and samples/s per k when training ends (rank 0, needs
             matplotlib): a path, ``None`` for ``<trainer.log_dir>/replica_tuning.png``, or ``False``.
@@ -85,6 +109,7 @@ class ReplicaAutoTuner(Callback):
         window: int = 20,
         warmup: int = 3,
         threshold: float = 0.1,
+        climb: Literal["doubling", "linear"] = "doubling",
         recheck_every: Optional[int] = 10,
         clock: Callable[[], float] = time.perf_counter,
         plot: Union[str, Path, None, Literal[False]] = None,
@@ -98,11 +123,14 @@ class ReplicaAutoTuner(Callback):
             raise ValueError(f"max_replicas must be an int >= min_replicas={min_replicas}, got {max_replicas!r}.")
         if not (isinstance(threshold, (int, float)) and threshold >= 0):
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}.")
+        if climb not in CLIMBS:
+            raise ValueError(f"climb must be one of {CLIMBS}, got {climb!r}.")
         if recheck_every is not None and (isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1):
             raise ValueError(f"recheck_every must be an int >= 1 or None, got {recheck_every!r}.")
         self.objective = objective
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         self.window, self.warmup, self.threshold = window, warmup, float(threshold)
+        self.climb = climb
         self.recheck_every = recheck_every
         self.clock = clock
         self.plot = plot
@@ -118,8 +146,9 @@ class ReplicaAutoTuner(Callback):
         # (training seconds, mean loss over replicas), in runs of consecutive steps: a skipped interval
         # (validation, an epoch's end) starts a new run.
         self._window_losses: list[list[tuple[float, float]]] = []
-        #: "progress": the A-B-A ("before", "trial", "after"); "throughput": re-measuring before it holds.
-        self._phase: Literal["before", "trial", "after", "recheck_lower", "recheck_upper"] = "before"
+        #: "progress": the A-B-A ("before", "trial", "after"); "throughput": the search (see ``_decide``).
+        self._phase: Literal["before", "trial", "after"] = "before"
+        self._climb = Climb()
         self._before: Optional[TuningRecord] = None
         self._trial: Optional[TuningRecord] = None
 
@@ -171,7 +200,9 @@ class ReplicaAutoTuner(Callback):
         next_k = k
         if trainer.is_global_zero:  # rank 0 decides; every rank takes its decision at this same step
             next_k = self._decide_progress(record, strategy) if self.objective == "progress" else self._decide(k, strategy)
-        next_k, self.chosen, self._phase = strategy.broadcast((next_k, self.chosen, self._phase), src=0)
+        next_k, self.chosen, self._phase, self._climb = strategy.broadcast(
+            (next_k, self.chosen, self._phase, self._climb), src=0
+        )
         if next_k != k:
             strategy.set_replicas_per_device(next_k)
         self._new_window()
@@ -185,6 +216,7 @@ class ReplicaAutoTuner(Callback):
         self._steps_held += 1
         if self._steps_held >= self.recheck_every * (self.window + self.warmup):
             self.chosen, self._phase, self._steps_held, self._last_step_end = None, "before", 0, None
+            self._climb = Climb(again=True)
             self._new_window()
 
     def _new_window(self) -> None:
@@ -213,33 +245,67 @@ class ReplicaAutoTuner(Callback):
 
     # ------------------------------------------------------------------------------ policy
     def _decide(self, k: int, strategy: Any) -> int:
-        """Crossbow's rule: one more replica while the last one paid off by more than ``threshold``.
+        """The throughput search, after a window measured at ``k``; returns the k of the next window.
 
-        A window that says "stop" is checked before the tuner holds for good: k-1 and k are measured
-        once more and the gain is taken over both windows of each, so one noisy window (a page fault,
-        another process) neither stops the climb early nor settles on a k that the second look refutes.
+        ``P(m)``, "the m-th replica paid off", is judged on two windows adjacent in time, at ``m-1`` and at
+        ``m``: the gain ``(R_m - R_{m-1}) / (R_{m-1} / (m-1))`` must exceed ``threshold``. The search keeps
+        ``low``, the largest k shown to pay off, and ``high``, the smallest shown not to (if any), and probes
+        ``low+1`` (``climb="linear"``, Crossbow's) or ``2 low`` (``"doubling"``) while there is no ``high``,
+        then halves the gap. A search again from a held k probes ``low+1`` first. When the gap closes (``high = low + 1``) the pair is measured once more and
+        judged on both windows of each, so one noisy window neither stops the climb early nor settles on a
+        k that the second look refutes: the tuner holds ``low``, or climbs on from ``high``.
         """
-        if self._phase == "recheck_lower":  # this window re-measured k-1; now k again
-            self._phase = "recheck_upper"
-            return k + 1
-        confirming = self._phase == "recheck_upper"
-        self._phase = "before"
-        lower = [r for r in self.history if r.replicas_per_device == k - 1][-2 if confirming else -1 :]
-        if lower and (confirming or self.history[-2:-1] == lower):
-            upper = [r for r in self.history if r.replicas_per_device == k][-2 if confirming else -1 :]
-            lower_rate = sum(r.samples_per_sec for r in lower) / len(lower)
-            upper_rate = sum(r.samples_per_sec for r in upper) / len(upper)
-            gain = (upper_rate - lower_rate) / (lower_rate / (k - 1))  # in units of an average replica's samples/s
-            if gain <= self.threshold:
-                if not confirming:
-                    self._phase = "recheck_lower"
-                    return k - 1
-                self.chosen = max(k - 1, self.min_replicas)
-                return self.chosen
-        if not self._can_grow(k, strategy):
-            self.chosen = k
-            return k
-        return k + 1
+        climb = self._climb
+        if climb.low is None:  # the first window of an exploration: where it starts
+            climb.low = k
+            return self._next_probe(k, strategy)
+        probe = climb.probe
+        assert probe is not None
+        if k != probe:  # this window measured probe - 1; now the probe itself
+            return probe
+        paid = self._gain(probe, windows=2 if climb.confirming else 1) > self.threshold
+        if climb.confirming:
+            climb.confirming = False
+            if not paid:
+                return self._hold(climb.low)
+            climb.low, climb.high = probe, None
+            return self._next_probe(k, strategy)
+        if paid:
+            climb.low = probe
+        else:
+            climb.high = probe
+        if climb.high == climb.low + 1:  # the gap closed: a second look at low and high before holding
+            climb.confirming, climb.probe = True, climb.high
+            return climb.low
+        return self._next_probe(k, strategy)
+
+    def _next_probe(self, k: int, strategy: Any) -> int:
+        """Chooses the next k to judge (see :meth:`_decide`) and returns the k of the next window: the probe,
+        or the probe's lower neighbour first unless this window (at ``k``) measured it."""
+        climb = self._climb
+        assert climb.low is not None
+        if climb.high is None:
+            target = climb.low + 1 if self.climb == "linear" or climb.again else 2 * climb.low
+            climb.again = False
+        else:
+            target = (climb.low + climb.high) // 2
+        target = min(target, self._ceiling(k, strategy))
+        if target <= climb.low:
+            return self._hold(climb.low)
+        climb.probe = target
+        return target if k == target - 1 else target - 1
+
+    def _hold(self, k: int) -> int:
+        self.chosen = max(k, self.min_replicas)
+        return self.chosen
+
+    def _gain(self, k: int, windows: int) -> float:
+        """The k-th replica's share of samples/s, in units of an average replica's at ``k-1``, over the last
+        ``windows`` windows at each."""
+        lower = [r.samples_per_sec for r in self.history if r.replicas_per_device == k - 1][-windows:]
+        upper = [r.samples_per_sec for r in self.history if r.replicas_per_device == k][-windows:]
+        lower_rate, upper_rate = sum(lower) / len(lower), sum(upper) / len(upper)
+        return (upper_rate - lower_rate) / (lower_rate / (k - 1))
 
     def _decide_progress(self, record: TuningRecord, strategy: Any) -> int:
         """A-B-A: measure k, then k+1, then k again; keep k+1 if it beats the mean of both k windows."""
@@ -262,17 +328,17 @@ class ReplicaAutoTuner(Callback):
         return k
 
     def _can_grow(self, k: int, strategy: Any) -> bool:
-        ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
-        return k < ceiling and self._one_more_fits(strategy)
+        return k < self._ceiling(k, strategy)
 
-    @staticmethod
-    def _one_more_fits(strategy: Any) -> bool:
-        """One more replica (weights, gradients, two optimizer states, corrections) fits twice in free memory."""
+    def _ceiling(self, k: int, strategy: Any) -> int:
+        """The largest k allowed: ``max_replicas``, below any k that ran out of memory, and such that every
+        replica beyond ``k`` (weights, gradients, two optimizer states, corrections) fits twice in free memory."""
+        ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
         stack = strategy.stack
         if stack is None:
-            return True
+            return ceiling
         free = device_memory(strategy.root_device).get("memory_free_bytes")
-        return free is None or free > 2 * stack.state_bytes_per_replica()
+        return ceiling if free is None else min(ceiling, k + int(free // (2 * stack.state_bytes_per_replica())))
 
     # ----------------------------------------------------------------------------- report
     def best(self) -> Optional[TuningRecord]:
@@ -324,6 +390,7 @@ class ReplicaAutoTuner(Callback):
             "chosen": self.chosen,
             "steps_held": self._steps_held,
             "phase": self._phase,
+            "climb": vars(self._climb).copy(),
             "before": vars(self._before).copy() if self._before else None,
             "trial": vars(self._trial).copy() if self._trial else None,
         }
@@ -333,7 +400,9 @@ class ReplicaAutoTuner(Callback):
         self.history = [TuningRecord(**record) for record in state_dict["history"]]
         self.chosen = state_dict["chosen"]
         self._steps_held = state_dict.get("steps_held", 0)
-        self._phase = state_dict.get("phase", "before")
+        phase = state_dict.get("phase", "before")
+        self._phase = phase if phase in ("before", "trial", "after") else "before"
+        self._climb = Climb(**state_dict.get("climb", {}))
         self._before = TuningRecord(**state_dict["before"]) if state_dict.get("before") else None
         self._trial = TuningRecord(**state_dict["trial"]) if state_dict.get("trial") else None
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
 import pytest
 
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner
+from lightning_crossbow.tuner import TuningRecord
 from tests.helpers import Classifier, loader, make_data, trainer
 
 
@@ -112,19 +115,70 @@ def tuned_fit(
     return tuner, fit
 
 
-def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path) -> None:
-    tuner, fit = tuned_fit(tmp_path, max_steps=60)
+@pytest.mark.parametrize(
+    ("climb", "windows"),
+    [
+        # Crossbow's climb: one replica at a time; k=5 adds nothing, so k=4 and k=5 are measured once more.
+        ("linear", [1, 2, 3, 4, 5, 4, 5]),
+        # Doubling: P(2), P(4) (3 then 4) pay off, P(8) (7 then 8) does not; P(6) (5, 6) does not either, nor
+        # P(5) (4, 5); the closed gap (4, 5) is measured once more before holding at 4.
+        ("doubling", [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5]),
+    ],
+)
+def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path, climb: str, windows: list[int]) -> None:
+    tuner, fit = tuned_fit(tmp_path, max_steps=80, climb=climb)
     expected = expected_choice(0.1)
     assert expected == max(range(1, 9), key=throughput) == 4  # k=5 adds nothing: the throughput peak
     assert tuner.chosen == expected
     assert fit.strategy.replicas_per_device == expected
-    # k=5 adds nothing, so k=4 and k=5 are measured once more before it holds at 4.
-    assert [r.replicas_per_device for r in tuner.history] == [1, 2, 3, 4, 5, 4, 5]
+    assert [r.replicas_per_device for r in tuner.history] == windows
     for record in tuner.history:  # measured rates are the injected ones: samples per step / seconds per step
         k = record.replicas_per_device
         assert record.samples_per_sec == pytest.approx(k * 8 / step_seconds(k))
     assert "chosen: k=4" in tuner.summary()
     assert (tmp_path / "replica_tuning.png").read_bytes().startswith(b"\x89PNG")
+
+
+def search(climb: str, rate: Callable[[int], float], max_replicas: int = 16) -> tuple[int, list[int]]:
+    """Runs the throughput search on exact rates, window by window; returns the k it holds and the windows."""
+    tuner = ReplicaAutoTuner(climb=climb, max_replicas=max_replicas, threshold=0.1)
+    device = SimpleNamespace(replica_ceiling=None, stack=None)  # no memory bound
+    k = 1
+    while tuner.chosen is None:
+        tuner.history.append(TuningRecord(len(tuner.history), k, rate(k)))
+        k = tuner._decide(k, device)
+        assert len(tuner.history) < 100
+    return tuner.chosen, [r.replicas_per_device for r in tuner.history]
+
+
+def crossbow_rule(rate: Callable[[int], float], max_replicas: int = 16, threshold: float = 0.1) -> int:
+    """Crossbow's rule written out: add a replica while the added one pays off more than ``threshold``."""
+    k = 1
+    while k < max_replicas and (rate(k + 1) - rate(k)) / (rate(k) / k) > threshold:
+        k += 1
+    return k
+
+
+CURVES = {
+    **{f"k / (1 + {c} k^2)": (lambda k, c=c: k / (1 + c * k * k)) for c in (0.5, 0.05, 0.01, 0.002, 0.0005)},
+    **{f"k^{e}": (lambda k, e=e: k**e) for e in (1.0, 0.5, 0.2, 0.05)},
+    **{f"saturating at {s}": (lambda k, s=s: min(k, s) + 0.01 * k) for s in (3, 6, 11, 30)},
+}
+
+
+@pytest.mark.parametrize("curve", list(CURVES))
+def test_doubling_holds_where_crossbows_linear_climb_does(curve: str) -> None:
+    """Where each added replica pays off less than the one before, both climbs hold at the k of Crossbow's
+    rule. At the top of the range doubling gets there in 8 windows instead of 16, and forgoes less
+    throughput on the way (the sum over windows of 1 - R_k / R_best)."""
+    rate = CURVES[curve]
+    expected = crossbow_rule(rate)
+    (linear, linear_windows), (doubling, doubling_windows) = search("linear", rate), search("doubling", rate)
+    assert linear == doubling == expected
+    if expected == 16:  # k = 1, 2, 3, 4, 7, 8, 15, 16 against 1 .. 16
+        assert doubling_windows == [1, 2, 3, 4, 7, 8, 15, 16] and linear_windows == list(range(1, 17))
+        forgone = lambda windows: sum(1 - rate(k) / rate(16) for k in windows)  # noqa: E731
+        assert forgone(doubling_windows) < forgone(linear_windows)
 
 
 def test_one_slow_window_does_not_stop_the_climb(tmp_path) -> None:
@@ -139,24 +193,36 @@ def test_one_slow_window_does_not_stop_the_climb(tmp_path) -> None:
 
 @pytest.mark.parametrize(("recheck_every", "expected"), [(2, 6), (None, 4)])
 def test_the_tuner_explores_again_after_holding(tmp_path, recheck_every, expected: int) -> None:
-    """It holds at k=4 by step 35; the device then favours more replicas (best by Crossbow's rule: 6).
+    """It holds at k=4 by step 65; the device then favours more replicas (best by Crossbow's rule: 6).
     Exploring again after 2 windows' worth of held steps finds 6; holding for good stays at 4."""
     late = lambda k: k / (1.0 + 0.02 * k * k)  # noqa: E731
     assert max(k for k in range(4, 9) if k == 4 or (late(k) - late(k - 1)) / (late(k - 1) / (k - 1)) > 0.1) == 6
-    tuner, fit = tuned_fit(tmp_path, max_steps=85, clock=ChangingClock(switch=40), recheck_every=recheck_every)
-    assert [r.replicas_per_device for r in tuner.history][:7] == [1, 2, 3, 4, 5, 4, 5]  # the first choice: 4
+    tuner, fit = tuned_fit(tmp_path, max_steps=130, clock=ChangingClock(switch=65), recheck_every=recheck_every)
+    assert [r.replicas_per_device for r in tuner.history][:12] == [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5]  # holds 4
+    if recheck_every:  # from 4: P(5) pays off, P(10) does not, nor P(7); P(6) does; P(7) fails again: it holds 6
+        assert [r.replicas_per_device for r in tuner.history][12:] == [4, 5, 9, 10, 6, 7, 5, 6, 6, 7]
     assert tuner.chosen == fit.strategy.replicas_per_device == expected
 
 
 def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
-    tuner, fit = tuned_fit(tmp_path, max_steps=60)
+    tuner, fit = tuned_fit(tmp_path, max_steps=70)
     fit.save_checkpoint(tmp_path / "tuned.ckpt")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        resumed_tuner, resumed = tuned_fit(tmp_path, max_steps=70, start_k=1, ckpt_path=tmp_path / "tuned.ckpt")
+        resumed_tuner, resumed = tuned_fit(tmp_path, max_steps=80, start_k=1, ckpt_path=tmp_path / "tuned.ckpt")
     assert not [w for w in caught if "re-seeded" in str(w.message)]  # the replicas were restored, not re-seeded
-    assert resumed.strategy.replicas_per_device == tuner.chosen == resumed_tuner.chosen
-    assert resumed.global_step == 70
+    assert resumed.strategy.replicas_per_device == tuner.chosen == resumed_tuner.chosen == 4
+    assert resumed.global_step == 80
+
+
+def test_a_run_resumed_mid_search_goes_on_with_the_same_search(tmp_path) -> None:
+    """Stopped after 4 windows (k = 1, 2, 3, 4: probing 8 next), the resumed tuner carries on where it was."""
+    tuner, fit = tuned_fit(tmp_path, max_steps=21)
+    assert [r.replicas_per_device for r in tuner.history] == [1, 2, 3, 4] and tuner.chosen is None
+    fit.save_checkpoint(tmp_path / "searching.ckpt")
+    resumed_tuner, _ = tuned_fit(tmp_path, max_steps=80, ckpt_path=tmp_path / "searching.ckpt")
+    assert [r.replicas_per_device for r in resumed_tuner.history] == [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5]
+    assert resumed_tuner.chosen == 4
 
 
 def test_the_tuner_needs_the_crossbow_strategy() -> None:
@@ -173,6 +239,7 @@ def test_the_tuner_needs_the_crossbow_strategy() -> None:
         ({"window": 0}, "window must be an int >= 1"),
         ({"threshold": -0.1}, "threshold must be a number >= 0"),
         ({"recheck_every": 0}, "recheck_every must be an int >= 1 or None"),
+        ({"climb": "binary"}, "climb must be one of"),
     ],
 )
 def test_bad_tuner_arguments(kwargs: dict, message: str) -> None:
