@@ -191,16 +191,30 @@ def test_one_slow_window_does_not_stop_the_climb(tmp_path) -> None:
     assert tuner.chosen == 4
 
 
+CLIMB_TRACES = {
+    # climb: (the step after which the step times change (after the first hold), windows until it holds 4,
+    # windows of the search again from 4 under the new step times)
+    "linear": (40, [1, 2, 3, 4, 5, 4, 5], [4, 5, 6, 7, 6, 7]),  # P(5), P(6) pay off, P(7) fails twice
+    # from 4: P(5) pays off, P(10) does not, nor P(7); P(6) does; P(7) fails again
+    "doubling": (65, [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5], [4, 5, 9, 10, 6, 7, 5, 6, 6, 7]),
+}
+
+
+@pytest.mark.parametrize("climb", list(CLIMB_TRACES))
 @pytest.mark.parametrize(("recheck_every", "expected"), [(2, 6), (None, 4)])
-def test_the_tuner_explores_again_after_holding(tmp_path, recheck_every, expected: int) -> None:
-    """It holds at k=4 by step 65; the device then favours more replicas (best by Crossbow's rule: 6).
+def test_the_tuner_explores_again_after_holding(tmp_path, recheck_every, expected: int, climb: str) -> None:
+    """It holds at k=4 (by step 40 or 65); the device then favours more replicas (best by Crossbow's rule: 6).
     Exploring again after 2 windows' worth of held steps finds 6; holding for good stays at 4."""
     late = lambda k: k / (1.0 + 0.02 * k * k)  # noqa: E731
     assert max(k for k in range(4, 9) if k == 4 or (late(k) - late(k - 1)) / (late(k - 1) / (k - 1)) > 0.1) == 6
-    tuner, fit = tuned_fit(tmp_path, max_steps=130, clock=ChangingClock(switch=65), recheck_every=recheck_every)
-    assert [r.replicas_per_device for r in tuner.history][:12] == [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5]  # holds 4
-    if recheck_every:  # from 4: P(5) pays off, P(10) does not, nor P(7); P(6) does; P(7) fails again: it holds 6
-        assert [r.replicas_per_device for r in tuner.history][12:] == [4, 5, 9, 10, 6, 7, 5, 6, 6, 7]
+    switch, first, again = CLIMB_TRACES[climb]
+    tuner, fit = tuned_fit(
+        tmp_path, max_steps=130, clock=ChangingClock(switch=switch), recheck_every=recheck_every, climb=climb
+    )
+    windows = [r.replicas_per_device for r in tuner.history]
+    assert windows[: len(first)] == first
+    if recheck_every:
+        assert windows[len(first) : len(first) + len(again)] == again
     assert tuner.chosen == fit.strategy.replicas_per_device == expected
 
 
@@ -216,11 +230,12 @@ def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
 
 
 def test_a_run_resumed_mid_search_goes_on_with_the_same_search(tmp_path) -> None:
-    """Stopped after 4 windows (k = 1, 2, 3, 4: probing 8 next), the resumed tuner carries on where it was."""
-    tuner, fit = tuned_fit(tmp_path, max_steps=21)
+    """Stopped after 4 windows of the doubling climb (k = 1, 2, 3, 4: probing 8 next), the resumed tuner carries on
+    where it was."""
+    tuner, fit = tuned_fit(tmp_path, max_steps=21, climb="doubling")
     assert [r.replicas_per_device for r in tuner.history] == [1, 2, 3, 4] and tuner.chosen is None
     fit.save_checkpoint(tmp_path / "searching.ckpt")
-    resumed_tuner, _ = tuned_fit(tmp_path, max_steps=80, ckpt_path=tmp_path / "searching.ckpt")
+    resumed_tuner, _ = tuned_fit(tmp_path, max_steps=80, ckpt_path=tmp_path / "searching.ckpt", climb="doubling")
     assert [r.replicas_per_device for r in resumed_tuner.history] == [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5]
     assert resumed_tuner.chosen == 4
 
