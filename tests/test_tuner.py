@@ -192,11 +192,11 @@ def test_one_slow_window_does_not_stop_the_climb(tmp_path) -> None:
 
 
 CLIMB_TRACES = {
-    # climb: (the step after which the step times change (after the first hold), windows until it holds 4,
-    # windows of the search again from 4 under the new step times)
-    "linear": (40, [1, 2, 3, 4, 5, 4, 5], [4, 5, 6, 7, 6, 7]),  # P(5), P(6) pay off, P(7) fails twice
+    # climb: (the step after which the step times change (after the first hold), the last step (while it holds),
+    # windows until it holds 4, windows of the search again from 4 under the new step times)
+    "linear": (40, 85, [1, 2, 3, 4, 5, 4, 5], [4, 5, 6, 7, 6, 7]),  # P(5), P(6) pay off, P(7) fails twice
     # from 4: P(5) pays off, P(10) does not, nor P(7); P(6) does; P(7) fails again
-    "doubling": (65, [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5], [4, 5, 9, 10, 6, 7, 5, 6, 6, 7]),
+    "doubling": (65, 130, [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5], [4, 5, 9, 10, 6, 7, 5, 6, 6, 7]),
 }
 
 
@@ -207,9 +207,9 @@ def test_the_tuner_explores_again_after_holding(tmp_path, recheck_every, expecte
     Exploring again after 2 windows' worth of held steps finds 6; holding for good stays at 4."""
     late = lambda k: k / (1.0 + 0.02 * k * k)  # noqa: E731
     assert max(k for k in range(4, 9) if k == 4 or (late(k) - late(k - 1)) / (late(k - 1) / (k - 1)) > 0.1) == 6
-    switch, first, again = CLIMB_TRACES[climb]
+    switch, last, first, again = CLIMB_TRACES[climb]
     tuner, fit = tuned_fit(
-        tmp_path, max_steps=130, clock=ChangingClock(switch=switch), recheck_every=recheck_every, climb=climb
+        tmp_path, max_steps=last, clock=ChangingClock(switch=switch), recheck_every=recheck_every, climb=climb
     )
     windows = [r.replicas_per_device for r in tuner.history]
     assert windows[: len(first)] == first
