@@ -222,9 +222,9 @@ def main() -> None:
     if previous is not None:  # keep the other configurations' results, and say which were run again
         results["workloads"] = previous["workloads"]
         results["command"] = previous["command"]
-        rerun = f"python benchmarks/accuracy.py --workloads {' '.join(args.workloads)} --configs " + " ".join(
-            f"'{name}'" for name in args.configs
-        )
+        rerun = f"python benchmarks/accuracy.py --workloads {' '.join(args.workloads)}" + (
+            f" --seeds {args.seeds}" if args.seeds else ""
+        ) + " --configs " + " ".join(f"'{name}'" for name in args.configs)
         results["reruns"] = [*previous.get("reruns", []), rerun]
     for name in args.workloads:
         workload = WORKLOADS[name]
