@@ -118,6 +118,11 @@ class Engine(ABC):
         """Whether the user's ``training_step`` proved unable to run fused (so a new engine need not try)."""
         return False
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the engine is still timing candidates (its steps are not yet representative)."""
+        return False
+
 
 class SequentialEngine(Engine):
     """One ``training_step`` call per replica, in a loop. Runs anything plain Lightning runs."""
@@ -350,6 +355,10 @@ class FastestEngine(Engine):
     @property
     def uses_streams(self) -> bool:
         return self.active.uses_streams
+
+    @property
+    def measuring(self) -> bool:
+        return self.chosen is None
 
     @property
     def fused_failed(self) -> bool:

@@ -231,6 +231,7 @@ class CrossbowStrategy(DDPStrategy):
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
         self._own_stream_pool: Optional[StreamPool] = None  # when the accelerator is not crossbow's
+        self._engine_trial_step = False
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -239,6 +240,12 @@ class CrossbowStrategy(DDPStrategy):
         if self._split is not None:
             return sum(self._split)
         return self.replicas_per_device * self.world_size
+
+    @property
+    def engine_measuring(self) -> bool:
+        """Whether the last training step was one in which ``engine="auto"`` timed fused against streams (CUDA):
+        such steps mix two engines, so the tuner does not count them."""
+        return self._engine_trial_step
 
     @property
     def tuned_replicas_per_device(self) -> int:
@@ -605,6 +612,8 @@ class CrossbowStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         assert self.stack is not None
+
+        self._engine_trial_step = self.engine is not None and self.engine.measuring
 
         def closure_then_corrections() -> Any:
             # The optimizer runs this before it updates anything: after the replicas' forward and

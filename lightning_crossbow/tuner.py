@@ -2,7 +2,8 @@
 
 Every measurement is a window of ``window`` training steps, the first ``warmup`` steps after a change
 excluded; a step's time runs from the previous step's end to its own, and intervals that hold
-validation or an epoch boundary are not counted.
+validation or an epoch boundary are not counted, nor the steps in which ``engine="auto"`` is still
+timing fused against streams (CUDA).
 
 - ``objective="throughput"`` (Crossbow's policy): hold the largest k whose last replica raised samples/s
   by more than ``threshold`` of a replica's share, when the next replica does not. The gain of going
@@ -178,10 +179,10 @@ class ReplicaAutoTuner(Callback):
         now, last = self.clock(), self._last_step_end
         self._last_step_end = now
         self._steps_since_change += 1
-        if self._steps_since_change <= self.warmup or last is None:
+        if self._steps_since_change <= self.warmup or last is None or strategy.engine_measuring:
             if self._window_losses and self._window_losses[-1]:
                 self._window_losses.append([])
-            return  # a warm-up step, or one whose interval holds validation or an epoch's end
+            return  # a warm-up step, one whose interval holds validation or an epoch's end, or an engine trial
         # One step's interval: from the previous step's end (its batch fetched in between) to this end.
         self._window_seconds += now - last
         self._window_samples += strategy.samples_per_step or 0

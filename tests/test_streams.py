@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_crossbow import CrossbowStrategy
+from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner
 from lightning_crossbow.engines import Engine, FastestEngine, ReplicaStepOutput, StreamsEngine, make_engine
 from lightning_crossbow.streams import StreamPool
 from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, trainer
@@ -174,6 +174,16 @@ def test_auto_on_a_stream_device_measures_fused_against_streams_then_keeps_one(m
     ).fit(Classifier(), loader(make_data(num_samples=96)))
     for name, value in reference.params.items():
         torch.testing.assert_close(spy.params[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_the_tuner_does_not_measure_while_the_engine_is_timing_its_candidates(monkeypatch) -> None:
+    """The 14 trial steps of engine="auto" mix fused and streams: the tuner's first window starts after them."""
+    monkeypatch.setattr(CrossbowStrategy, "_stream_pool", lambda self: HostStreamPool())
+    tuner = ReplicaAutoTuner(window=2, warmup=0, max_replicas=2, recheck_every=None, plot=False)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), callbacks=[tuner], max_epochs=4)
+    fit.fit(Classifier(), loader(make_data(num_samples=96)))
+    assert [(r.step, r.replicas_per_device) for r in tuner.history] == [(16, 2)]  # steps 15 and 16
+    assert tuner.chosen == 2
 
 
 def test_make_engine_without_a_pool_refuses_streams_and_keeps_auto_as_fused_with_fallback() -> None:
