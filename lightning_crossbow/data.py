@@ -18,6 +18,11 @@ from typing import Any
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
 
 
+class ReplicaGroup(list):
+    """The batches of one step, replica j's at index j. A list, so that Lightning moves it like any batch;
+    its own type tells the strategy to apply the module's batch-transfer hooks to each batch alone."""
+
+
 _OWN_ATTRIBUTES = ("loader", "num_replicas", "groups_yielded", "batches_taken", "_returned", "plan", "routed_sampler")
 
 
@@ -37,7 +42,7 @@ class ReplicaBatchLoader:
         self.batches_taken = 0
         self._returned: list[Any] = []
 
-    def __iter__(self) -> Iterator[list[Any]]:
+    def __iter__(self) -> Iterator[ReplicaGroup]:
         """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass."""
         self.groups_yielded = self.batches_taken = 0
         self._returned = []
@@ -50,7 +55,7 @@ class ReplicaBatchLoader:
             if len(group) < size:
                 return
             self.groups_yielded += 1
-            yield group
+            yield ReplicaGroup(group)
 
     def _group_size(self) -> int:
         """Batches in the next group."""
@@ -99,7 +104,7 @@ class RoutedBatchLoader(ReplicaBatchLoader):
     def _group_size(self) -> int:
         return self.plan.share(self.plan.groups_trained)[1]
 
-    def __iter__(self) -> Iterator[list[Any]]:
+    def __iter__(self) -> Iterator[ReplicaGroup]:
         self._order_batches_taken = 0
         # Groups the last pass drew ahead of training (prefetching; limit_train_batches, max_steps), or found no
         # room for, were never trained: the new pass draws from where training is (every rank is there too).

@@ -18,6 +18,7 @@ import math
 import os
 import time
 import warnings
+from types import MethodType
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from contextlib import nullcontext
@@ -65,7 +66,7 @@ from lightning_crossbow.algorithms import (
 )
 from lightning_crossbow.balancing import SpeedBalancer
 from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
-from lightning_crossbow.data import ReplicaBatchLoader, RoutedBatchLoader
+from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup, RoutedBatchLoader
 from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
@@ -363,6 +364,8 @@ class CrossbowStrategy(DDPStrategy):
             self.balancer.restart()
             self.balancer.history = [(0, self._split)]
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_per_replica  # type: ignore[method-assign]
+        # Lightning's loop hands the whole group to the module's on_before_batch_transfer: one batch at a time instead.
+        module._on_before_batch_transfer = MethodType(_on_before_batch_transfer, module)  # type: ignore[method-assign]
         self._last_lrs = None
         self._final_state = None
 
@@ -914,7 +917,17 @@ class CrossbowStrategy(DDPStrategy):
         self._step_losses = None
         if "clip_grad_by_norm" in vars(self.precision_plugin):
             del self.precision_plugin.clip_grad_by_norm
+        if self._lightning_module is not None:
+            vars(self._lightning_module).pop("_on_before_batch_transfer", None)
         super().teardown()
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Moves a group of the replicas' batches batch by batch, so that the module's ``transfer_batch_to_device``
+        and ``on_after_batch_transfer`` hooks see one batch at a time, as in plain Lightning."""
+        if isinstance(batch, ReplicaGroup):
+            return ReplicaGroup(super(CrossbowStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @classmethod
     @override
@@ -930,6 +943,15 @@ class CrossbowStrategy(DDPStrategy):
             description="Crossbow, launching processes with torch.multiprocessing spawn, k tuned while training",
             start_method="spawn",
         )
+
+
+def _on_before_batch_transfer(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:
+    """The module's ``on_before_batch_transfer`` hook (through Lightning's own dispatch), batch by batch for a
+    group of the replicas' batches. Bound to the module during fit under the name it replaces."""
+    hook = type(module)._on_before_batch_transfer
+    if isinstance(batch, ReplicaGroup):
+        return ReplicaGroup(hook(module, b, dataloader_idx) for b in batch)
+    return hook(module, batch, dataloader_idx)
 
 
 def _make_averaging(

@@ -51,6 +51,47 @@ def test_a_ragged_last_batch_runs_sequentially_in_the_fused_engine() -> None:
     assert model.trainer.global_step == 2 and torch.isfinite(next(model.parameters())).all()
 
 
+class _TransferHooks(Classifier):
+    """Batch-transfer hooks that change the batch; each records the batch it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, Any]] = []
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        self.seen.append(("before", tuple(x.shape)))
+        return x * 2, y
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        x, y = batch
+        self.seen.append(("transfer", tuple(x.shape)))
+        return x.to(device), y.to(device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        self.seen.append(("after", tuple(x.shape)))
+        return x + 1, y
+
+
+def test_batch_transfer_hooks_see_one_batch_at_a_time() -> None:
+    """As in plain Lightning, each hook gets one (x, y) batch, and training sees what the hooks return."""
+    model, hooked = _TransferHooks(), ReplicaSnapshot()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), callbacks=[hooked]).fit(
+        model, loader(make_data())
+    )
+    one_step = [("before", (8, 6))] * 2 + [("transfer", (8, 6)), ("after", (8, 6))] * 2
+    assert model.seen == one_step * 5
+    assert "_on_before_batch_transfer" not in vars(model)  # the fit's per-batch dispatch is gone afterwards
+    data = make_data()
+    transformed, plain = TensorDataset(data.tensors[0] * 2 + 1, data.tensors[1]), ReplicaSnapshot()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), callbacks=[plain]).fit(
+        Classifier(), loader(transformed)
+    )
+    for name, value in plain.params.items():
+        assert torch.equal(hooked.params[name], value), name
+
+
 class _DictBatches(Classifier):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         (x,), y = batch["inputs"], batch["meta"]["target"]
