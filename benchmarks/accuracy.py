@@ -146,6 +146,12 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         "crossbow k=8, easgd": {"strategy": _crossbow(8, algorithm="easgd"), "batch": 1, "lr": 1.0},
         "crossbow k=8, gossip": {"strategy": _crossbow(8, algorithm="gossip"), "batch": 1, "lr": 1.0},
         "crossbow auto (throughput)": {"strategy": lambda: CrossbowStrategy("auto"), "batch": 1, "lr": 1.0},
+        "crossbow auto, window 10": {
+            "strategy": lambda: CrossbowStrategy(1),
+            "callbacks": lambda: [ReplicaAutoTuner(window=10, warmup=2, plot=False)],
+            "batch": 1,
+            "lr": 1.0,
+        },
         "crossbow auto, doubling climb": {
             "strategy": lambda: CrossbowStrategy(1),
             "callbacks": lambda: [ReplicaAutoTuner(climb="doubling", plot=False)],
