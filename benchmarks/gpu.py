@@ -14,6 +14,7 @@ interleaved by repetition, and ratios are taken within a repetition.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 from collections.abc import Callable
@@ -40,6 +41,7 @@ def measure(strategy: Any, k: int, b: int, model: str, steps: int, warmup: int, 
     """samples/s and peak memory (bytes, CUDA only) of one run."""
     net, shape = MODELS[model]
     if device == "cuda":
+        gc.collect()  # the last run's trainer and stacked replicas, so that the peak is this run's alone
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     rate = samples_per_second(strategy, k, b, steps, warmup, net=net, input_shape=shape, accelerator=device)
@@ -68,7 +70,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py measures a CUDA GPU and found none; --device cpu runs it as a smoke test.")
-    ks, bs, repeats, steps, warmup = ([1, 4, 16], [16, 64], 1, 20, 5) if args.quick else ([1, 2, 4, 8, 16], [16, 32, 64], 3, 50, 10)
+    # 20 warm-up steps: engine="auto" times fused against streams over its first 14 steps.
+    ks, bs, repeats, steps, warmup = ([1, 4, 16], [16, 64], 1, 20, 20) if args.quick else ([1, 2, 4, 8, 16], [16, 32, 64], 3, 50, 20)
     repeats, ks, bs = args.repeats or repeats, args.ks or ks, args.bs or bs
     engines = ["fused", "streams", "sequential", "auto"] if args.device == "cuda" else ["fused", "sequential", "auto"]
     runs: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {}  # model -> "k,b" -> config -> metric -> values

@@ -165,8 +165,13 @@ class StreamsEngine(SequentialEngine):
     """Each replica's forward (and so its backward) on its own CUDA stream of a :class:`StreamPool`.
 
     The replicas' streams wait for the work queued before the step; the losses are combined on the
-    issuing stream once every replica stream is done. The batches, allocated on the issuing stream, are
-    kept from reuse until the replica streams are done with them.
+    issuing stream once every replica stream is done (also when a replica's step fails). The batches'
+    tensors on the device are kept from reuse until the replica streams are done with them.
+
+    Replicas on different streams run at the same time, so their ``training_step`` must not update
+    tensors that all replicas share. The first step runs the replicas one after another on the issuing
+    stream and watches the module's torchmetrics metrics: if the ``training_step`` updates one, every
+    later step runs so too, with a warning that names it.
     """
 
     name = "streams"
@@ -175,28 +180,48 @@ class StreamsEngine(SequentialEngine):
         super().__init__(module)
         self.pool = pool
         self._streams: list[Any] = []
+        #: Whether the replicas run on their own streams (False once the training_step proved to update a metric).
+        self.concurrent = True
+        self._checked = False  # whether the first step has run (one replica after another, watching metrics)
 
     def _replica_outputs(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> list[Any]:
+        if not self._checked or not self.concurrent:
+            self._streams = []
+            updates = {metric: metric._update_count for metric in _metrics_of(self.module)}
+            outputs = super()._replica_outputs(stack, batches, args, capture)
+            if not self._checked:
+                self._checked = True
+                updated = sorted({type(m).__name__ for m, count in updates.items() if m._update_count != count})
+                if updated:
+                    self.concurrent = False
+                    warnings.warn(
+                        f"crossbow: engine='streams': the training_step updates the torchmetrics metric(s)"
+                        f" {', '.join(updated)}, which all replicas share; on concurrent CUDA streams their updates"
+                        " would race, so the replicas run one after another on one stream.",
+                        stacklevel=2,
+                    )
+            return outputs
         issuing = self.pool.current()
         self._streams = self.pool.replica_streams(len(batches))
         for stream, batch in zip(self._streams, batches):
             self.pool.wait(stream, issuing)
             for leaf in tree_flatten(batch)[0]:
-                if isinstance(leaf, Tensor):
+                if isinstance(leaf, Tensor) and leaf.device == self.pool.device:
                     self.pool.keep_for(leaf, stream)
-        outputs = super()._replica_outputs(stack, batches, args, capture)
-        for stream in self._streams:
-            self.pool.wait(issuing, stream)
-        return outputs
+        try:
+            return super()._replica_outputs(stack, batches, args, capture)
+        finally:  # what follows on the issuing stream (the losses' sum, or an out-of-memory back-off) waits
+            for stream in self._streams:
+                self.pool.wait(issuing, stream)
 
     def _replica_context(self, index: int) -> ContextManager[Any]:
-        return self.pool.use(self._streams[index])
+        return self.pool.use(self._streams[index]) if self._streams else nullcontext()
 
     @property
     def uses_streams(self) -> bool:
-        return True
+        return self.concurrent
 
 
 class FusedEngine(Engine):
@@ -293,8 +318,8 @@ class FastestEngine(Engine):
     candidates take turns for ``trials`` measured steps each, so that a slow phase of a shared device
     falls on all of them. A step's time is its forward and backward (:meth:`timed`, which the strategy
     wraps around them), between two ``synchronize()`` calls so that queued device work is counted. The
-    candidate with the smallest median time wins. On CUDA, ``engine="auto"`` chooses so between fused
-    (falling back to sequential) and streams.
+    candidate with the smallest median time (summed over the processes, so that every rank keeps the same)
+    wins. On CUDA, ``engine="auto"`` chooses so between fused (falling back to sequential) and streams.
     """
 
     name = "auto"
@@ -307,12 +332,13 @@ class FastestEngine(Engine):
         trials: int = 5,
         clock: Callable[[], float] = time.perf_counter,
         synchronize: Callable[[], None] = lambda: None,
+        all_reduce_sum: Callable[[Tensor], Tensor] = lambda medians: medians,
     ) -> None:
         super().__init__(module)
         if not candidates:
             raise ValueError("FastestEngine needs at least one candidate engine.")
         self.candidates = dict(candidates)
-        self.clock, self.synchronize = clock, synchronize
+        self.clock, self.synchronize, self.all_reduce_sum = clock, synchronize, all_reduce_sum
         names = list(self.candidates)
         #: The candidate of every trial step, in order; the first ``len(names) * warmup`` are not measured.
         self.schedule = [n for n in names for _ in range(warmup)] + [n for _ in range(trials) for n in names]
@@ -346,7 +372,10 @@ class FastestEngine(Engine):
             self._choose()
 
     def _choose(self) -> None:
-        medians = {name: statistics.median(times) for name, times in self.seconds.items()}
+        """Keeps the candidate with the smallest median time, summed over the processes: every rank keeps the same."""
+        names = list(self.seconds)
+        summed = self.all_reduce_sum(torch.tensor([statistics.median(self.seconds[n]) for n in names], dtype=torch.float64))
+        medians = dict(zip(names, summed.tolist()))
         self.chosen = min(medians, key=medians.__getitem__)
         self.active = self.candidates[self.chosen]
         measured = ", ".join(f"{_engine_label(name, self.candidates[name])} {1e3 * t:.2f}" for name, t in medians.items())
@@ -366,12 +395,18 @@ class FastestEngine(Engine):
 
 
 def make_engine(
-    name: str, module: nn.Module, num_replicas: int, streams: Optional[StreamPool] = None, fused_failed: bool = False
+    name: str,
+    module: nn.Module,
+    num_replicas: int,
+    streams: Optional[StreamPool] = None,
+    fused_failed: bool = False,
+    all_reduce_sum: Callable[[Tensor], Tensor] = lambda medians: medians,
 ) -> Engine:
     """The engine called ``name``, for ``num_replicas`` replicas.
 
     ``"auto"`` is fused, falling back to sequential (directly sequential when ``fused_failed``); given a
-    CUDA ``streams`` pool it is whichever of that and ``"streams"`` measures faster (:class:`FastestEngine`).
+    CUDA ``streams`` pool it is whichever of that and ``"streams"`` measures faster (:class:`FastestEngine`; the
+    processes agree through ``all_reduce_sum``).
     With one replica ``"auto"``, ``"fused"`` and ``"sequential"`` all loop once (no vmap, nothing to choose).
     """
     if name not in ENGINES:
@@ -387,7 +422,12 @@ def make_engine(
     fused: Engine = SequentialEngine(module) if fused_failed else AutoEngine(module)
     if streams is None:
         return fused
-    return FastestEngine(module, {"fused": fused, "streams": StreamsEngine(module, streams)}, synchronize=streams.synchronize)
+    return FastestEngine(
+        module,
+        {"fused": fused, "streams": StreamsEngine(module, streams)},
+        synchronize=streams.synchronize,
+        all_reduce_sum=all_reduce_sum,
+    )
 
 
 STREAMS_NEED_CUDA = (

@@ -351,7 +351,7 @@ class CrossbowStrategy(DDPStrategy):
             {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
             self.replicas_per_device,
         )
-        self.engine = make_engine(self.engine_name, module, self.replicas_per_device, self._stream_pool())
+        self.engine = self._make_engine(self.replicas_per_device)
         if self.balancer is not None:
             if trainer.accumulate_grad_batches > 1:
                 raise ValueError(
@@ -581,10 +581,7 @@ class CrossbowStrategy(DDPStrategy):
             {id(old_leaves[name]): new for name, new in self.stack.params.items()},
             replicas_per_device,
         )
-        # An auto engine whose fused attempt failed does not try again (on CUDA it still measures streams).
-        self.engine = make_engine(
-            self.engine_name, self.lightning_module, replicas_per_device, self._stream_pool(), self.engine.fused_failed
-        )
+        self.engine = self._make_engine(replicas_per_device, fused_failed=self.engine.fused_failed)
         self.replicas_per_device = replicas_per_device
         self._step_losses = None
         if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
@@ -666,6 +663,16 @@ class CrossbowStrategy(DDPStrategy):
         if self.root_device.type == "cuda":
             torch.cuda.synchronize(self.root_device)
 
+    def _make_engine(self, replicas_per_device: int, fused_failed: bool = False) -> Engine:
+        """The configured engine for k replicas (an auto engine whose fused attempt failed does not try again)."""
+
+        def all_reduce_sum(tensor: Tensor) -> Tensor:  # through the root device: NCCL reduces CUDA tensors only
+            return all_reduce_sum_(tensor.to(self.root_device)).cpu()
+
+        return make_engine(
+            self.engine_name, self.lightning_module, replicas_per_device, self._stream_pool(), fused_failed, all_reduce_sum
+        )
+
     def _stream_pool(self) -> Optional[StreamPool]:
         """The CUDA streams of this rank's device (the accelerator's pool), or None off CUDA."""
         if self.root_device.type != "cuda":
@@ -691,6 +698,11 @@ class CrossbowStrategy(DDPStrategy):
             return None
         assert self.stack is not None
         return torch.tensor(weights, dtype=self.stack.buckets[0].replicas.dtype, device=self.root_device)
+
+    def replica_room(self) -> int:
+        """How many more replicas fit on every rank: each must fit twice over in the device's free memory (RAM on
+        CPU; activations are not counted). A collective: every rank calls it at the same step."""
+        return int(self._all_gather_rows(torch.tensor([float(self._room_for_learners())]))[:, 0].min())
 
     def _room_for_learners(self) -> int:
         """How many more learners this rank may take: each must fit twice over in the device's free memory (RAM on

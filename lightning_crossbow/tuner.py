@@ -24,9 +24,10 @@ timing fused against streams (CUDA).
   before and just after it (A-B-A); k+1 is kept while it beats their mean by more than ``threshold``.
 
 Both are bounded by
-``min_replicas``/``max_replicas`` and by memory (one more replica must fit twice over in the
-device's free memory: RAM on CPU, the accelerator's free memory on CUDA), and below any k at which
-the strategy ran out of memory (it backs off one replica and retries the step by itself).
+``min_replicas``/``max_replicas`` and by memory (every replica added must fit twice over in the
+free memory of every rank's device: RAM on CPU, the accelerator's free memory on CUDA), and below any k
+at which the strategy ran out of memory (it backs off one replica and retries the step by itself).
+Where the batch size is unknown (a custom ``batch_sampler``), throughput counts batches, not samples.
 
 In multi-process runs rank 0 decides and broadcasts; every rank applies the same k at the same step.
 With ``CrossbowStrategy(heterogeneous=True)`` the tuned k is the mean per device (``K = k x world_size``
@@ -36,9 +37,10 @@ their measured speed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -47,7 +49,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_crossbow.accelerator import device_memory
 
 OBJECTIVES = ("throughput", "progress")
 CLIMBS = ("linear", "doubling")
@@ -67,14 +68,16 @@ class TuningRecord:
 class Climb:
     """Where the throughput search stands (see ``ReplicaAutoTuner._decide``): the largest k whose last
     replica paid off (``low``), the smallest k whose last replica did not (``high``, None until found), the k
-    being judged (``probe``), whether this judgement is the second look before holding, and whether this is
-    a search again from a held k (its first probe is one more replica, whatever the climb)."""
+    being judged (``probe``), whether this judgement is the second look before holding, whether this is a
+    search again from a held k (its first probe is one more replica, whatever the climb), and the k judged
+    not to pay off so far."""
 
     low: Optional[int] = None
     high: Optional[int] = None
     probe: Optional[int] = None
     confirming: bool = False
     again: bool = False
+    failed: list[int] = field(default_factory=list)  #: every k judged not to pay off in one window
 
 
 class ReplicaAutoTuner(Callback):
@@ -153,6 +156,7 @@ class ReplicaAutoTuner(Callback):
         #: "progress": the A-B-A ("before", "trial", "after"); "throughput": the search (see ``_decide``).
         self._phase: Literal["before", "trial", "after"] = "before"
         self._climb = Climb()
+        self._room: Optional[int] = None  # more replicas that fit on every rank, at the last window's end
         self._before: Optional[TuningRecord] = None
         self._trial: Optional[TuningRecord] = None
 
@@ -185,7 +189,7 @@ class ReplicaAutoTuner(Callback):
             return  # a warm-up step, one whose interval holds validation or an epoch's end, or an engine trial
         # One step's interval: from the previous step's end (its batch fetched in between) to this end.
         self._window_seconds += now - last
-        self._window_samples += strategy.samples_per_step or 0
+        self._window_samples += _work_of_step(strategy)
         self._window_steps += 1
         if self.objective == "progress":
             if not self._window_losses:
@@ -194,6 +198,7 @@ class ReplicaAutoTuner(Callback):
         if self._window_steps < self.window:
             return
         k = strategy.tuned_replicas_per_device  # in heterogeneous mode, the mean over ranks
+        self._room = strategy.replica_room()  # a collective: every rank ends this window at this step
         record = TuningRecord(
             trainer.global_step,
             k,
@@ -265,19 +270,23 @@ class ReplicaAutoTuner(Callback):
             return self._next_probe(k, strategy)
         probe = climb.probe
         assert probe is not None
-        if k != probe:  # this window measured probe - 1; now the probe itself
-            return probe
+        if probe > self._ceiling(k, strategy):  # it no longer fits (an out-of-memory back-off, less free memory)
+            climb.confirming, climb.high = False, probe
+            return self._next_probe(k, strategy)
+        if k != probe:  # this window measured probe - 1 (or k moved by a back-off): now the probe, after probe - 1
+            return probe if k == probe - 1 else probe - 1
         paid = self._gain(probe, windows=2 if climb.confirming else 1) > self.threshold
         if climb.confirming:
             climb.confirming = False
             if not paid:
                 return self._hold(climb.low)
-            climb.low, climb.high = probe, None
-            return self._next_probe(k, strategy)
-        if paid:
+            climb.low = probe  # the second look refuted the failure; a failure further up still stands
+            climb.high = min((failed for failed in climb.failed if failed > probe), default=None)
+        elif paid:
             climb.low = probe
         else:
             climb.high = probe
+            climb.failed.append(probe)
         if climb.high == climb.low + 1:  # the gap closed: a second look at low and high before holding
             climb.confirming, climb.probe = True, climb.high
             return climb.low
@@ -308,6 +317,8 @@ class ReplicaAutoTuner(Callback):
         ``windows`` windows at each."""
         lower = [r.samples_per_sec for r in self.history if r.replicas_per_device == k - 1][-windows:]
         upper = [r.samples_per_sec for r in self.history if r.replicas_per_device == k][-windows:]
+        if not lower or not upper or sum(lower) <= 0:
+            return -math.inf  # nothing to compare with: not shown to pay off
         lower_rate, upper_rate = sum(lower) / len(lower), sum(upper) / len(upper)
         return (upper_rate - lower_rate) / (lower_rate / (k - 1))
 
@@ -336,13 +347,10 @@ class ReplicaAutoTuner(Callback):
 
     def _ceiling(self, k: int, strategy: Any) -> int:
         """The largest k allowed: ``max_replicas``, below any k that ran out of memory, and such that every
-        replica beyond ``k`` (weights, gradients, two optimizer states, corrections) fits twice in free memory."""
+        replica beyond ``k`` (weights, gradients, two optimizer states, corrections) fits twice in the free
+        memory of every rank (measured at the end of the last window)."""
         ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
-        stack = strategy.stack
-        if stack is None:
-            return ceiling
-        free = device_memory(strategy.root_device).get("memory_free_bytes")
-        return ceiling if free is None else min(ceiling, k + int(free // (2 * stack.state_bytes_per_replica())))
+        return ceiling if self._room is None else min(ceiling, k + self._room)
 
     # ----------------------------------------------------------------------------- report
     def best(self) -> Optional[TuningRecord]:
@@ -409,6 +417,11 @@ class ReplicaAutoTuner(Callback):
         self._climb = Climb(**state_dict.get("climb", {}))
         self._before = TuningRecord(**state_dict["before"]) if state_dict.get("before") else None
         self._trial = TuningRecord(**state_dict["trial"]) if state_dict.get("trial") else None
+
+
+def _work_of_step(strategy: Any) -> float:
+    """The samples of the last step; its batches where the batch size is unknown (a custom batch_sampler)."""
+    return strategy.samples_per_step or strategy.replicas_per_device
 
 
 def _mean_loss(outputs: Any, replicas_per_device: int) -> float:

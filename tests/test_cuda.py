@@ -42,7 +42,7 @@ def cuda_fit(engine: str, k: int = 4, epochs: int = 2, model: Any = None, **kwar
 
 def assert_same_replicas(a: EngineSpy, b: EngineSpy) -> None:
     for name, value in b.params.items():
-        torch.testing.assert_close(a.params[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.params[name], value, rtol=1e-5, atol=1e-5)
 
 
 def test_the_streams_engine_gives_the_sequential_engines_values_on_cuda() -> None:

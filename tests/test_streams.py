@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torchmetrics
 from torch import nn
 
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner
@@ -86,16 +87,48 @@ def test_each_replica_runs_on_its_own_stream_ordered_by_waits(monkeypatch) -> No
     fit, _ = fit_with_pool("streams", pool, model, monkeypatch)
     steps = fit.global_step
     assert steps == 4
-    assert model.ran_on == ["replica0", "replica1", "replica2"] * steps
+    # The first step runs the replicas one after another on the issuing stream (watching for metric updates).
+    assert model.ran_on == ["issuing"] * 3 + ["replica0", "replica1", "replica2"] * (steps - 1)
+    averaging = [("wait", "sync", "issuing"), ("enter", "sync"), ("exit", "sync"), ("wait", "issuing", "sync")]
     one_step = (
         [("wait", f"replica{j}", "issuing") for j in range(3)]  # the replicas start after the batch's copy
         + [entry for j in range(3) for entry in (("enter", f"replica{j}"), ("exit", f"replica{j}"))]
         + [("wait", "issuing", f"replica{j}") for j in range(3)]  # the losses are combined after every replica
-        + [("wait", "sync", "issuing"), ("enter", "sync"), ("exit", "sync"), ("wait", "issuing", "sync")]  # averaging
+        + averaging
     )
-    assert pool.log == one_step * steps
+    assert pool.log == averaging + one_step * (steps - 1)
     # Both tensors of each replica's batch (inputs, targets) are kept from reuse until its stream is done.
-    assert [stream for _, stream in pool.kept] == [f"replica{j}" for j in range(3) for _ in range(2)] * steps
+    assert [stream for _, stream in pool.kept] == [f"replica{j}" for j in range(3) for _ in range(2)] * (steps - 1)
+
+
+class MetricInTrainingStep(StreamRecorder):
+    """Updates a torchmetrics metric, which all replicas share, in its training_step."""
+
+    def __init__(self, pool: HostStreamPool) -> None:
+        super().__init__(pool)
+        self.train_mean = torchmetrics.MeanMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.train_mean.update(loss.detach())
+        return loss
+
+
+def test_a_training_step_that_updates_a_metric_keeps_the_replicas_on_one_stream(monkeypatch) -> None:
+    pool = HostStreamPool()
+    model = MetricInTrainingStep(pool)
+    with pytest.warns(UserWarning, match=r"updates the torchmetrics metric\(s\) MeanMetric, which all replicas share"):
+        fit, streams = fit_with_pool("streams", pool, model, monkeypatch, algorithm="sma")
+    assert model.ran_on == ["issuing"] * 3 * fit.global_step
+    assert model.train_mean._update_count == 3 * fit.global_step  # every replica's update, none lost
+    assert pool.log == []  # no stream but the issuing one, for the averaging too
+    monkeypatch.undo()
+    sequential = ReplicaSnapshot()
+    trainer(
+        strategy=CrossbowStrategy(replicas_per_device=3, engine="sequential", algorithm="sma"), callbacks=[sequential]
+    ).fit(MetricInTrainingStep(HostStreamPool()), loader(make_data(num_samples=96)))
+    for name, value in sequential.params.items():
+        assert torch.equal(streams.params[name], value), name
 
 
 @pytest.mark.parametrize("algorithm", ["sma", "scaled_averaging"])
@@ -143,6 +176,25 @@ def test_the_fastest_engine_measures_in_turns_and_keeps_the_fastest(caplog) -> N
     assert engine.seconds == {"fused": [pytest.approx(0.004)] * 3, "streams": [pytest.approx(0.003)] * 3}
     assert engine.chosen == "streams" and slow.runs == 5 and fast.runs == 9
     assert len(syncs) == 2 * len(engine.schedule)  # the device is synchronized only while measuring
+
+
+def test_the_processes_keep_the_engine_that_is_fastest_summed_over_them() -> None:
+    """Here "streams" is faster by 1 ms; another process found it slower by 3 ms: every rank keeps "fused"."""
+    now = [0.0]
+    module = nn.Linear(2, 2)
+    other_process = torch.tensor([0.004, 0.007], dtype=torch.float64)  # its medians: fused, streams
+    engine = FastestEngine(
+        module,
+        {"fused": _CostlyEngine(module, now, 0.004, "fused"), "streams": _CostlyEngine(module, now, 0.003, "streams")},
+        warmup=0,
+        trials=2,
+        clock=lambda: now[0],
+        all_reduce_sum=lambda medians: medians + other_process,
+    )
+    for _ in engine.schedule:
+        with engine.timed():
+            engine.run(None, [0], (), None)
+    assert engine.chosen == "fused"
 
 
 class EngineSpy(ReplicaSnapshot):

@@ -9,6 +9,8 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner
 from lightning_crossbow.tuner import TuningRecord
@@ -151,6 +153,33 @@ def search(climb: str, rate: Callable[[int], float], max_replicas: int = 16) -> 
     return tuner.chosen, [r.replicas_per_device for r in tuner.history]
 
 
+def search_with_memory(climb: str, rate: Callable[[int], float], fits: int) -> tuple[int, list[int]]:
+    """The search on a device where more than ``fits`` replicas run out of memory: the strategy backs off to
+    ``fits`` during the window and remembers it as its ceiling (as ``CrossbowStrategy._back_off`` does)."""
+    tuner = ReplicaAutoTuner(climb=climb, max_replicas=16, threshold=0.1)
+    device = SimpleNamespace(replica_ceiling=None, stack=None)
+    k = 1
+    while tuner.chosen is None:
+        if k > fits:
+            k, device.replica_ceiling = fits, fits
+        tuner.history.append(TuningRecord(len(tuner.history), k, rate(k)))
+        k = tuner._decide(k, device)
+        assert len(tuner.history) < 100
+    return tuner.chosen, [r.replicas_per_device for r in tuner.history]
+
+
+@pytest.mark.parametrize(
+    ("climb", "windows"),
+    [
+        ("linear", [1, 2, 3, 4, 5, 5]),  # 6 ran out of memory in the sixth window: it holds 5
+        ("doubling", [1, 2, 3, 4, 5, 4, 5]),  # 7 (on the way to probing 8) did: it judges 5 (4, 5) and holds it
+    ],
+)
+def test_a_probe_that_ran_out_of_memory_is_not_tried_again(climb: str, windows: list[int]) -> None:
+    chosen, measured = search_with_memory(climb, lambda k: float(k), fits=5)
+    assert chosen == 5 and measured == windows
+
+
 def crossbow_rule(rate: Callable[[int], float], max_replicas: int = 16, threshold: float = 0.1) -> int:
     """Crossbow's rule written out: add a replica while the added one pays off more than ``threshold``."""
     k = 1
@@ -216,6 +245,18 @@ def test_the_tuner_explores_again_after_holding(tmp_path, recheck_every, expecte
     if recheck_every:
         assert windows[len(first) : len(first) + len(again)] == again
     assert tuner.chosen == fit.strategy.replicas_per_device == expected
+
+
+def test_the_tuner_counts_batches_where_the_batch_size_is_unknown(tmp_path) -> None:
+    """A loader with a custom batch_sampler has no batch_size: throughput counts batches (k per step)."""
+    clock = FakeClock()
+    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock, plot=False)
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(400)), batch_size=8, drop_last=False)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[clock, tuner], max_steps=80, max_epochs=-1)
+    fit.fit(Classifier(), DataLoader(make_data(num_samples=400), batch_sampler=sampler))
+    assert tuner.chosen == 4
+    for record in tuner.history:
+        assert record.samples_per_sec == pytest.approx(record.replicas_per_device / step_seconds(record.replicas_per_device))
 
 
 def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
