@@ -189,11 +189,11 @@ class StreamsEngine(SequentialEngine):
     ) -> list[Any]:
         if not self._checked or not self.concurrent:
             self._streams = []
-            updates = {metric: metric._update_count for metric in _metrics_of(self.module)}
+            updates = {metric: _update_count(metric) for metric in _metrics_of(self.module)}
             outputs = super()._replica_outputs(stack, batches, args, capture)
             if not self._checked:
                 self._checked = True
-                updated = sorted({type(m).__name__ for m, count in updates.items() if m._update_count != count})
+                updated = sorted({type(m).__name__ for m, count in updates.items() if _update_count(m) != count})
                 if updated:
                     self.concurrent = False
                     warnings.warn(
@@ -454,6 +454,11 @@ def _metrics_of(module: nn.Module) -> list[nn.Module]:
     except ImportError:  # pragma: no cover - torchmetrics is a dependency
         return []
     return [m for m in module.modules() if isinstance(m, Metric)]
+
+
+def _update_count(metric: nn.Module) -> int:
+    """How many times a torchmetrics metric's ``update`` has run."""
+    return int(getattr(metric, "_update_count", 0))
 
 
 def _check_no_escaped_metric_state(saved_metrics: Mapping[nn.Module, dict[str, Any]]) -> None:
