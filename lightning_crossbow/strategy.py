@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -233,6 +234,7 @@ class CrossbowStrategy(DDPStrategy):
         self.replica_ceiling: Optional[int] = None
         self._own_stream_pool: Optional[StreamPool] = None  # when the accelerator is not crossbow's
         self._engine_trial_step = False
+        self._transfer_per_batch = False  # set at set-up: whether the batch-transfer hooks are the user's own
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -364,8 +366,13 @@ class CrossbowStrategy(DDPStrategy):
             self.balancer.restart()
             self.balancer.history = [(0, self._split)]
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_per_replica  # type: ignore[method-assign]
-        # Lightning's loop hands the whole group to the module's on_before_batch_transfer: one batch at a time instead.
-        module._on_before_batch_transfer = MethodType(_on_before_batch_transfer, module)  # type: ignore[method-assign]
+        hooks_owners = [module, trainer.datamodule] if trainer.datamodule is not None else [module]
+        if any(is_overridden("on_before_batch_transfer", owner) for owner in hooks_owners):
+            # Lightning's loop hands the whole group to on_before_batch_transfer: one batch at a time instead.
+            module._on_before_batch_transfer = MethodType(_on_before_batch_transfer, module)  # type: ignore[method-assign]
+        self._transfer_per_batch = any(
+            is_overridden(hook, owner) for hook in _TRANSFER_HOOKS for owner in hooks_owners
+        )
         self._last_lrs = None
         self._final_state = None
 
@@ -935,11 +942,12 @@ class CrossbowStrategy(DDPStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """Moves a group of the replicas' batches batch by batch, so that the module's ``transfer_batch_to_device``
-        and ``on_after_batch_transfer`` hooks see one batch at a time, as in plain Lightning."""
-        if isinstance(batch, ReplicaGroup):
+        """Moves a group of the replicas' batches batch by batch when the module (or datamodule) has its own
+        ``transfer_batch_to_device`` or ``on_after_batch_transfer`` hook, so that it sees one batch at a time, as in
+        plain Lightning; with Lightning's default hooks the group moves in one pass."""
+        if isinstance(batch, ReplicaGroup) and self._transfer_per_batch:
             return ReplicaGroup(super(CrossbowStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch)
-        return super().batch_to_device(batch, device, dataloader_idx)
+        return super().batch_to_device(batch, device, dataloader_idx)  # the default hooks: one pass over the group
 
     @classmethod
     @override
@@ -955,6 +963,9 @@ class CrossbowStrategy(DDPStrategy):
             description="Crossbow, launching processes with torch.multiprocessing spawn, k tuned while training",
             start_method="spawn",
         )
+
+
+_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
 
 
 def _on_before_batch_transfer(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:

@@ -92,6 +92,31 @@ def test_batch_transfer_hooks_see_one_batch_at_a_time() -> None:
         assert torch.equal(hooked.params[name], value), name
 
 
+class _HookedData(L.LightningDataModule):
+    """A datamodule whose batch-transfer hooks record the batches they are given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, Any]] = []
+
+    def train_dataloader(self) -> DataLoader:
+        return loader(make_data())
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.seen.append(("before", tuple(batch[0].shape)))
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.seen.append(("after", tuple(batch[0].shape)))
+        return batch
+
+
+def test_a_datamodules_batch_transfer_hooks_see_one_batch_at_a_time() -> None:
+    data = _HookedData()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=2).fit(Classifier(), datamodule=data)
+    assert data.seen == ([("before", (8, 6))] * 2 + [("after", (8, 6))] * 2) * 2
+
+
 class _DictBatches(Classifier):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         (x,), y = batch["inputs"], batch["meta"]["target"]
