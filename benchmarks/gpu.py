@@ -1,8 +1,9 @@
 """Throughput and memory on one CUDA GPU: crossbow's engines against plain Lightning.
 
 For every model, per-replica batch b and replicas k: samples/s of crossbow with the fused, streams and
-sequential engines and with ``engine="auto"`` (which keeps the faster of fused and streams), and of plain Lightning at batch b and at k*b; peak
-GPU memory of every run, and memory per replica (the slope of the peak over k). Models: ResNet-20 on
+sequential engines and with ``engine="auto"`` (which keeps the faster of fused and streams), and of
+plain Lightning at batch b and at k*b; peak GPU memory of every run, and memory per replica (the slope
+of the peak over k). Models: ResNet-20 on
 CIFAR-shaped random data (3x32x32) and the MNIST-1D CNN on MNIST-1D-shaped data (40 values). Runs are
 interleaved by repetition, and ratios are taken within a repetition.
 
@@ -71,7 +72,9 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py measures a CUDA GPU and found none; --device cpu runs it as a smoke test.")
     # 20 warm-up steps: engine="auto" times fused against streams over its first 14 steps.
-    ks, bs, repeats, steps, warmup = ([1, 4, 16], [16, 64], 1, 20, 20) if args.quick else ([1, 2, 4, 8, 16], [16, 32, 64], 3, 50, 20)
+    ks, bs, repeats, steps, warmup = (
+        ([1, 4, 16], [16, 64], 1, 20, 20) if args.quick else ([1, 2, 4, 8, 16], [16, 32, 64], 3, 50, 20)
+    )
     repeats, ks, bs = args.repeats or repeats, args.ks or ks, args.bs or bs
     engines = ["fused", "streams", "sequential", "auto"] if args.device == "cuda" else ["fused", "sequential", "auto"]
     runs: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {}  # model -> "k,b" -> config -> metric -> values
@@ -80,7 +83,9 @@ def main() -> None:
         for b in bs:
             plain_b = {"samples_per_sec": [], "peak_bytes": []}
             for k in ks:
-                runs[model][f"{k},{b}"] = {name: {"samples_per_sec": [], "peak_bytes": []} for name in configurations(k, b, engines)}
+                runs[model][f"{k},{b}"] = {
+                    name: {"samples_per_sec": [], "peak_bytes": []} for name in configurations(k, b, engines)
+                }
             for _ in range(repeats):
                 for key, value in measure("auto", 1, b, model, steps, warmup, args.device).items():
                     plain_b[key].append(value)
@@ -95,11 +100,18 @@ def main() -> None:
     table = summarize(runs, ks, bs, engines)
     print(table)
     quick = args.quick or args.device == "cpu"
-    command = "python benchmarks/gpu.py" + (" --quick" if args.quick else "") + (" --device cpu" if args.device == "cpu" else "")
+    command = (
+        "python benchmarks/gpu.py"
+        + (" --quick" if args.quick else "")
+        + (" --device cpu" if args.device == "cpu" else "")
+    )
     save_result(args.out or results_dir(quick) / "gpu.json", command, repeats=repeats, timed_steps=steps, runs=runs)
     if not quick:
         gpu = machine()["cuda"]
-        header = f"# Crossbow on one CUDA GPU: {gpu}\n\n`{command}`; median of {repeats} interleaved runs of {steps} timed steps.\n\n"
+        header = (
+            f"# Crossbow on one CUDA GPU: {gpu}\n\n"
+            f"`{command}`; median of {repeats} interleaved runs of {steps} timed steps.\n\n"
+        )
         Path(__file__).with_name("GPU.md").write_text(header + table + "\n")
 
 
@@ -109,7 +121,10 @@ def summarize(runs: dict[str, Any], ks: list[int], bs: list[int], engines: list[
     names = [f"crossbow {engine}" for engine in engines] + ["plain b", "plain k*b"]
     lines: list[str] = []
     for model, per_kb in runs.items():
-        lines += [f"\n## {model}: samples/s (median)\n", "| k | b | " + " | ".join(names) + " | best crossbow / plain k*b |"]
+        lines += [
+            f"\n## {model}: samples/s (median)\n",
+            "| k | b | " + " | ".join(names) + " | best crossbow / plain k*b |",
+        ]
         lines.append("|" + "---|" * (len(names) + 3))
         for b in bs:
             for k in ks:
@@ -119,7 +134,10 @@ def summarize(runs: dict[str, Any], ks: list[int], bs: list[int], engines: list[
                 cells = " | ".join(f"{rates[name]:.0f}" for name in names)
                 lines.append(f"| {k} | {b} | {cells} | {best / rates['plain k*b']:.2f} |")
         lines += [f"\n## {model}: GPU memory per replica (MiB; slope of the peak from k={ks[0]} to k={ks[-1]})\n"]
-        lines += ["| b | " + " | ".join(f"crossbow {engine}" for engine in engines) + " |", "|" + "---|" * (len(engines) + 1)]
+        lines += [
+            "| b | " + " | ".join(f"crossbow {engine}" for engine in engines) + " |",
+            "|" + "---|" * (len(engines) + 1),
+        ]
         for b in bs:
             cells = []
             for engine in engines:

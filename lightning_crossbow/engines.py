@@ -79,8 +79,7 @@ def _split_output(output: Any) -> tuple[Optional[Tensor], dict[str, Any], bool]:
     if isinstance(output, Mapping) and "loss" in output:
         return output["loss"], {k: v for k, v in output.items() if k != "loss"}, True
     raise TypeError(
-        "training_step must return a loss tensor, a dict with a 'loss' key, or None;"
-        f" got {type(output).__name__}."
+        f"training_step must return a loss tensor, a dict with a 'loss' key, or None; got {type(output).__name__}."
     )
 
 
@@ -96,12 +95,16 @@ class Engine(ABC):
         # fraction on small models, so it is asked only for modules that really share a tensor.
         self._tie_weights = _shares_tensors(module)
 
-    def _training_step(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Any, args: Sequence[Any]) -> Any:
+    def _training_step(
+        self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Any, args: Sequence[Any]
+    ) -> Any:
         """``module.training_step(batch, *args)`` run with ``params`` and ``buffers`` (prefixed names)."""
         return functional_call(self._call, (params, buffers), (batch, args), tie_weights=self._tie_weights)
 
     @abstractmethod
-    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+    def run(
+        self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
+    ) -> ReplicaStepOutput:
         """Runs ``training_step(batches[j], *args)`` for every replica ``j``."""
 
     def timed(self) -> ContextManager[Any]:
@@ -129,7 +132,9 @@ class SequentialEngine(Engine):
 
     name = "sequential"
 
-    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+    def run(
+        self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
+    ) -> ReplicaStepOutput:
         outputs = self._replica_outputs(stack, batches, args, capture)
         losses: list[Tensor] = []
         extras: list[dict[str, Any]] = []
@@ -237,7 +242,9 @@ class FusedEngine(Engine):
         super().__init__(module)
         self._sequential = SequentialEngine(module)
 
-    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+    def run(
+        self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
+    ) -> ReplicaStepOutput:
         stacked = _stack_batches(batches)
         if stacked is None:
             return self._sequential.run(stack, batches, args, capture)
@@ -279,7 +286,9 @@ class AutoEngine(Engine):
         self.active: Engine = self.fused
         self._proven = False
 
-    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+    def run(
+        self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
+    ) -> ReplicaStepOutput:
         if self._proven or self.active is self.sequential:
             return self.active.run(stack, batches, args, capture)
         saved_buffers = {name: b.clone() for name, b in stack.buffers.items()}
@@ -350,7 +359,9 @@ class FastestEngine(Engine):
         self.chosen: Optional[str] = None
         self.active: Engine = self.candidates[names[0]]
 
-    def run(self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture) -> ReplicaStepOutput:
+    def run(
+        self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
+    ) -> ReplicaStepOutput:
         if self.chosen is None:
             self.active = self.candidates[self.schedule[self._trial]]
         return self.active.run(stack, batches, args, capture)
@@ -374,12 +385,18 @@ class FastestEngine(Engine):
     def _choose(self) -> None:
         """Keeps the candidate with the smallest median time, summed over the processes: every rank keeps the same."""
         names = list(self.seconds)
-        summed = self.all_reduce_sum(torch.tensor([statistics.median(self.seconds[n]) for n in names], dtype=torch.float64))
+        summed = self.all_reduce_sum(
+            torch.tensor([statistics.median(self.seconds[n]) for n in names], dtype=torch.float64)
+        )
         medians = dict(zip(names, summed.tolist()))
         self.chosen = min(medians, key=medians.__getitem__)
         self.active = self.candidates[self.chosen]
-        measured = ", ".join(f"{_engine_label(name, self.candidates[name])} {1e3 * t:.2f}" for name, t in medians.items())
-        rank_zero_info(f"crossbow: engine='auto' measured forward+backward ms per step: {measured}; keeping {self.chosen!r}.")
+        measured = ", ".join(
+            f"{_engine_label(name, self.candidates[name])} {1e3 * t:.2f}" for name, t in medians.items()
+        )
+        rank_zero_info(
+            f"crossbow: engine='auto' measured forward+backward ms per step: {measured}; keeping {self.chosen!r}."
+        )
 
     @property
     def uses_streams(self) -> bool:

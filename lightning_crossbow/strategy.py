@@ -369,10 +369,9 @@ class CrossbowStrategy(DDPStrategy):
         hooks_owners = [module, trainer.datamodule] if trainer.datamodule is not None else [module]
         if any(is_overridden("on_before_batch_transfer", owner) for owner in hooks_owners):
             # Lightning's loop hands the whole group to on_before_batch_transfer: one batch at a time instead.
-            module._on_before_batch_transfer = MethodType(_on_before_batch_transfer, module)  # type: ignore[method-assign]
-        self._transfer_per_batch = any(
-            is_overridden(hook, owner) for hook in _TRANSFER_HOOKS for owner in hooks_owners
-        )
+            per_batch = MethodType(_on_before_batch_transfer, module)
+            module._on_before_batch_transfer = per_batch  # type: ignore[method-assign]
+        self._transfer_per_batch = any(is_overridden(hook, owner) for hook in _TRANSFER_HOOKS for owner in hooks_owners)
         self._last_lrs = None
         self._final_state = None
 
@@ -470,8 +469,10 @@ class CrossbowStrategy(DDPStrategy):
             self._resize_replicas(len(batch))
         optimizer = self.optimizers[0]
         lrs = [float(group["lr"]) for group in optimizer.param_groups]
-        if self._last_lrs is not None and self.reset_on_lr_drop and any(
-            new <= LR_DROP_RATIO * old for new, old in zip(lrs, self._last_lrs)
+        if (
+            self._last_lrs is not None
+            and self.reset_on_lr_drop
+            and any(new <= LR_DROP_RATIO * old for new, old in zip(lrs, self._last_lrs))
         ):
             assert self.stack is not None
             if self.averaging.center_is_learner_mean:
@@ -607,8 +608,12 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(self.averaging, ScaledAveraging):  # its learners all sit at z between steps
             module.log("crossbow/outer_lr", self.averaging.last_eta, on_step=True, on_epoch=False, batch_size=1)
         else:
-            module.log("crossbow/replica_divergence", self.stack.divergence(), on_step=True, on_epoch=False, batch_size=1)
-        module.log("crossbow/lr", float(self.optimizers[0].param_groups[0]["lr"]), on_step=True, on_epoch=False, batch_size=1)
+            module.log(
+                "crossbow/replica_divergence", self.stack.divergence(), on_step=True, on_epoch=False, batch_size=1
+            )
+        module.log(
+            "crossbow/lr", float(self.optimizers[0].param_groups[0]["lr"]), on_step=True, on_epoch=False, batch_size=1
+        )
 
     @override
     def optimizer_step(
@@ -677,7 +682,12 @@ class CrossbowStrategy(DDPStrategy):
             return all_reduce_sum_(tensor.to(self.root_device)).cpu()
 
         return make_engine(
-            self.engine_name, self.lightning_module, replicas_per_device, self._stream_pool(), fused_failed, all_reduce_sum
+            self.engine_name,
+            self.lightning_module,
+            replicas_per_device,
+            self._stream_pool(),
+            fused_failed,
+            all_reduce_sum,
         )
 
     def _stream_pool(self) -> Optional[StreamPool]:
@@ -736,7 +746,9 @@ class CrossbowStrategy(DDPStrategy):
             return
         self.routing.schedule(split, first_free_group)
         self.balancer.history.append((self.lightning_module.trainer.global_step, split))
-        models = ", ".join(f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} k" for m in self.balancer.step_times() or ())
+        models = ", ".join(
+            f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} k" for m in self.balancer.step_times() or ()
+        )
         rank_zero_info(
             f"crossbow: busy ms per step by rank: {models}; learners per rank {self._split} -> {split}"
             f" from group {first_free_group} of the data order."
@@ -997,13 +1009,17 @@ def _make_averaging(
         raise ValueError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
     if algorithm == "scaled_averaging":
         if alpha is not None:
-            raise ValueError("alpha applies to algorithm='sma' and 'easgd'; scaled_averaging resets every learner to z.")
+            raise ValueError(
+                "alpha applies to algorithm='sma' and 'easgd'; scaled_averaging resets every learner to z."
+            )
         return ScaledAveraging(outer_lr, central_momentum or 0.0, warmup_epochs)
     if outer_lr != "adaptive" or warmup_epochs:
         raise ValueError(f"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not {algorithm!r}.")
     if algorithm == "gossip":
         if alpha is not None or central_momentum:
-            raise ValueError("alpha and central_momentum do not apply to algorithm='gossip' (it keeps no central model).")
+            raise ValueError(
+                "alpha and central_momentum do not apply to algorithm='gossip' (it keeps no central model)."
+            )
         return Gossip()
     if algorithm == "easgd":
         if central_momentum:
@@ -1025,7 +1041,9 @@ def _unroutable(dataloader: object) -> Optional[str]:
     if type(sampler) not in (RandomSampler, SequentialSampler):
         return f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(sampler).__name__}"
     if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(dataloader.dataset)):
-        return "shuffle=True without replacement over the whole dataset (a RandomSampler with replacement or num_samples)"
+        return (
+            "shuffle=True without replacement over the whole dataset (a RandomSampler with replacement or num_samples)"
+        )
     if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
         return f"a batch_size (torch's BatchSampler), got a {type(dataloader.batch_sampler).__name__}"
     return None

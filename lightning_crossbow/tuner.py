@@ -132,7 +132,9 @@ class ReplicaAutoTuner(Callback):
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}.")
         if climb not in CLIMBS:
             raise ValueError(f"climb must be one of {CLIMBS}, got {climb!r}.")
-        if recheck_every is not None and (isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1):
+        if recheck_every is not None and (
+            isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1
+        ):
             raise ValueError(f"recheck_every must be an int >= 1 or None, got {recheck_every!r}.")
         self.objective = objective
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
@@ -208,7 +210,9 @@ class ReplicaAutoTuner(Callback):
         self.history.append(record)
         next_k = k
         if trainer.is_global_zero:  # rank 0 decides; every rank takes its decision at this same step
-            next_k = self._decide_progress(record, strategy) if self.objective == "progress" else self._decide(k, strategy)
+            next_k = (
+                self._decide_progress(record, strategy) if self.objective == "progress" else self._decide(k, strategy)
+            )
         next_k, self.chosen, self._phase, self._climb = strategy.broadcast(
             (next_k, self.chosen, self._phase, self._climb), src=0
         )
@@ -260,9 +264,10 @@ class ReplicaAutoTuner(Callback):
         ``m``: the gain ``(R_m - R_{m-1}) / (R_{m-1} / (m-1))`` must exceed ``threshold``. The search keeps
         ``low``, the largest k shown to pay off, and ``high``, the smallest shown not to (if any), and probes
         ``low+1`` (``climb="linear"``, Crossbow's) or ``2 low`` (``"doubling"``) while there is no ``high``,
-        then halves the gap. A search again from a held k probes ``low+1`` first. When the gap closes (``high = low + 1``) the pair is measured once more and
-        judged on both windows of each, so one noisy window neither stops the climb early nor settles on a
-        k that the second look refutes: the tuner holds ``low``, or climbs on from ``high``.
+        then halves the gap; a search again from a held k probes ``low+1`` first. When the gap closes
+        (``high = low + 1``) the pair is measured once more and judged on both windows of each, so one noisy
+        window neither stops the climb early nor settles on a k that the second look refutes: the tuner holds
+        ``low``, or climbs on from ``high``. A probe that no longer fits (memory) counts as not paying off.
         """
         climb = self._climb
         if climb.low is None:  # the first window of an exploration: where it starts

@@ -76,7 +76,9 @@ def test_auto_on_cuda_times_fused_against_streams_and_keeps_the_faster() -> None
     assert_same_replicas(spy, cuda_fit("sequential", epochs=4))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs a CUDA device with bf16")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs a CUDA device with bf16"
+)
 @pytest.mark.parametrize("engine", ["fused", "streams"])
 def test_bf16_mixed_trains_on_cuda(engine: str) -> None:
     spy = cuda_fit(engine, precision="bf16-mixed")
@@ -94,7 +96,9 @@ def test_the_memory_guard_reads_the_gpus_free_memory() -> None:
     stats = CrossbowAccelerator("cuda").get_device_stats(device)
     assert stats["memory_free_bytes"] > 0 and stats["memory_used_bytes"] > 0
     tuner = ReplicaAutoTuner(window=2, warmup=0, threshold=0.0, max_replicas=3)
-    fit = trainer(accelerator="cuda", devices=1, strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner], max_epochs=2)
+    fit = trainer(
+        accelerator="cuda", devices=1, strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner], max_epochs=2
+    )
     fit.fit(Classifier(), loader(make_data(num_samples=192)))
     assert max(r.replicas_per_device for r in tuner.history) > 1  # the guard lets a small model's k climb
 

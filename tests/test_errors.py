@@ -52,9 +52,15 @@ def test_warmup_epochs_must_be_non_negative(value) -> None:
     ("arguments", "message"),
     [
         ({"alpha": 0.5}, r"alpha applies to algorithm='sma' and 'easgd'"),
-        ({"algorithm": "sma", "outer_lr": 2.0}, r"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not 'sma'"),
+        (
+            {"algorithm": "sma", "outer_lr": 2.0},
+            r"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not 'sma'",
+        ),
         ({"algorithm": "easgd", "warmup_epochs": 1}, r"outer_lr and warmup_epochs apply to .*not 'easgd'"),
-        ({"algorithm": "easgd", "central_momentum": 0.9}, r"algorithm='easgd' has no central momentum.*algorithm='sma'"),
+        (
+            {"algorithm": "easgd", "central_momentum": 0.9},
+            r"algorithm='easgd' has no central momentum.*algorithm='sma'",
+        ),
         ({"algorithm": "gossip", "alpha": 0.5}, r"alpha and central_momentum do not apply to algorithm='gossip'"),
         ({"algorithm": "gossip", "outer_lr": "linear"}, r"outer_lr and warmup_epochs apply to .*not 'gossip'"),
     ],
@@ -73,7 +79,9 @@ def test_unknown_engine(value) -> None:
 def test_the_streams_engine_needs_cuda_and_says_so_before_training() -> None:
     model = Classifier()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=r"engine='streams' .* needs a CUDA device; this run is on cpu\. Use engine='auto'"):
+    with pytest.raises(
+        ValueError, match=r"engine='streams' .* needs a CUDA device; this run is on cpu\. Use engine='auto'"
+    ):
         trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="streams")).fit(model, loader(make_data()))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # nothing trained
 

@@ -322,9 +322,11 @@ def test_dropout_draws_differ_per_replica(p: float) -> None:
     x, y = make_data(num_samples=8)[:]
     same_batches = TensorDataset(x.repeat(2, 1), y.repeat(2))  # both replicas get identical batches
     model, snapshot = _Dropout(p), ReplicaSnapshot()
-    trainer(strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2, engine="fused"), max_steps=1, callbacks=[snapshot]).fit(
-        model, loader(same_batches)
-    )
+    trainer(
+        strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2, engine="fused"),
+        max_steps=1,
+        callbacks=[snapshot],
+    ).fit(model, loader(same_batches))
     weight = snapshot.params["net.0.weight"]
     assert torch.equal(weight[0], weight[1]) == (p == 0.0)
 
@@ -349,9 +351,11 @@ def test_accumulate_grad_batches_accumulates_per_replica() -> None:
     dataset = make_data(num_samples=32)  # 4 batches = 2 groups of k=2 = one optimizer step
     model, snapshot = Classifier(), ReplicaSnapshot()
     initial = {f"net.{n}": p.detach().clone() for n, p in model.net.named_parameters()}
-    trainer(strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2), accumulate_grad_batches=2, callbacks=[snapshot]).fit(
-        model, loader(dataset)
-    )
+    trainer(
+        strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2),
+        accumulate_grad_batches=2,
+        callbacks=[snapshot],
+    ).fit(model, loader(dataset))
     assert model.trainer.global_step == 1
     batches = list(loader(dataset))
     for j in range(2):

@@ -165,7 +165,12 @@ def test_the_fastest_engine_measures_in_turns_and_keeps_the_fastest(caplog) -> N
     slow, fast = _CostlyEngine(module, now, 0.004, "fused"), _CostlyEngine(module, now, 0.003, "streams")
     syncs = []
     engine = FastestEngine(
-        module, {"fused": slow, "streams": fast}, warmup=2, trials=3, clock=lambda: now[0], synchronize=lambda: syncs.append(1)
+        module,
+        {"fused": slow, "streams": fast},
+        warmup=2,
+        trials=3,
+        clock=lambda: now[0],
+        synchronize=lambda: syncs.append(1),
     )
     order = []
     for _ in range(len(engine.schedule) + 4):

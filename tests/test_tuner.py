@@ -31,7 +31,9 @@ class FakeClock(L.Callback):
     def __call__(self) -> float:
         return self.now
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.now += step_seconds(len(batch))
 
 
@@ -74,7 +76,9 @@ class SpikyClock(FakeClock):
         super().__init__()
         self.extra, self.steps_at_two = extra, 0
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if len(batch) == 2:
             self.steps_at_two += 1
@@ -89,7 +93,9 @@ class ChangingClock(FakeClock):
         super().__init__()
         self.switch = switch
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         k = len(batch)
         self.now += step_seconds(k) if trainer.global_step <= self.switch else 1.0 + 0.02 * k * k
 
@@ -251,12 +257,18 @@ def test_the_tuner_counts_batches_where_the_batch_size_is_unknown(tmp_path) -> N
     """A loader with a custom batch_sampler has no batch_size: throughput counts batches (k per step)."""
     clock = FakeClock()
     tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock, plot=False)
-    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(400)), batch_size=8, drop_last=False)
-    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[clock, tuner], max_steps=80, max_epochs=-1)
+    sampler = torch.utils.data.BatchSampler(
+        torch.utils.data.SequentialSampler(range(400)), batch_size=8, drop_last=False
+    )
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[clock, tuner], max_steps=80, max_epochs=-1
+    )
     fit.fit(Classifier(), DataLoader(make_data(num_samples=400), batch_sampler=sampler))
     assert tuner.chosen == 4
     for record in tuner.history:
-        assert record.samples_per_sec == pytest.approx(record.replicas_per_device / step_seconds(record.replicas_per_device))
+        assert record.samples_per_sec == pytest.approx(
+            record.replicas_per_device / step_seconds(record.replicas_per_device)
+        )
 
 
 def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
