@@ -192,22 +192,10 @@ class StreamsEngine(SequentialEngine):
     def _replica_outputs(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> list[Any]:
-        if not self._checked or not self.concurrent:
-            self._streams = []
-            updates = {metric: _update_count(metric) for metric in _metrics_of(self.module)}
-            outputs = super()._replica_outputs(stack, batches, args, capture)
-            if not self._checked:
-                self._checked = True
-                updated = sorted({type(m).__name__ for m, count in updates.items() if _update_count(m) != count})
-                if updated:
-                    self.concurrent = False
-                    warnings.warn(
-                        f"crossbow: engine='streams': the training_step updates the torchmetrics metric(s)"
-                        f" {', '.join(updated)}, which all replicas share; on concurrent CUDA streams their updates"
-                        " would race, so the replicas run one after another on one stream.",
-                        stacklevel=2,
-                    )
-            return outputs
+        if not self._checked:
+            return self._first_outputs(stack, batches, args, capture)
+        if not self.concurrent:
+            return super()._replica_outputs(stack, batches, args, capture)  # (no _streams: all on the issuing stream)
         issuing = self.pool.current()
         self._streams = self.pool.replica_streams(len(batches))
         for stream, batch in zip(self._streams, batches):
@@ -220,6 +208,24 @@ class StreamsEngine(SequentialEngine):
         finally:  # what follows on the issuing stream (the losses' sum, or an out-of-memory back-off) waits
             for stream in self._streams:
                 self.pool.wait(issuing, stream)
+
+    def _first_outputs(
+        self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
+    ) -> list[Any]:
+        """The first step: the replicas one after another on the issuing stream, watching the module's metrics."""
+        updates = {metric: _update_count(metric) for metric in _metrics_of(self.module)}
+        outputs = super()._replica_outputs(stack, batches, args, capture)
+        self._checked = True
+        updated = sorted({type(m).__name__ for m, count in updates.items() if _update_count(m) != count})
+        if updated:
+            self.concurrent = False
+            warnings.warn(
+                f"crossbow: engine='streams': the training_step updates the torchmetrics metric(s)"
+                f" {', '.join(updated)}, which all replicas share; on concurrent CUDA streams their updates"
+                " would race, so the replicas run one after another on one stream.",
+                stacklevel=2,
+            )
+        return outputs
 
     def _replica_context(self, index: int) -> ContextManager[Any]:
         return self.pool.use(self._streams[index]) if self._streams else nullcontext()

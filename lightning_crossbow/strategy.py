@@ -677,17 +677,13 @@ class CrossbowStrategy(DDPStrategy):
 
     def _make_engine(self, replicas_per_device: int, fused_failed: bool = False) -> Engine:
         """The configured engine for k replicas (an auto engine whose fused attempt failed does not try again)."""
-
-        def all_reduce_sum(tensor: Tensor) -> Tensor:  # through the root device: NCCL reduces CUDA tensors only
-            return all_reduce_sum_(tensor.to(self.root_device)).cpu()
-
         return make_engine(
             self.engine_name,
             self.lightning_module,
             replicas_per_device,
             self._stream_pool(),
             fused_failed,
-            all_reduce_sum,
+            self._all_reduce_sum,
         )
 
     def _stream_pool(self) -> Optional[StreamPool]:
@@ -732,6 +728,10 @@ class CrossbowStrategy(DDPStrategy):
     def _all_gather_rows(self, row: Tensor) -> Tensor:
         """:func:`all_gather_rows` through the root device (NCCL reduces CUDA tensors only), returned on the CPU."""
         return all_gather_rows(row.to(self.root_device)).cpu()
+
+    def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """:func:`all_reduce_sum_` through the root device (NCCL reduces CUDA tensors only), returned on the CPU."""
+        return all_reduce_sum_(tensor.to(self.root_device)).cpu()
 
     def _rebalance(self) -> None:
         """Ends the balancer's window: every rank moves to the same new split, if one pays, at the same group."""
