@@ -101,16 +101,29 @@ def warmed_up(target: float, epochs_done: float, warmup_epochs: float) -> float:
     return 1.0 + (target - 1.0) * min(1.0, epochs_done / warmup_epochs)
 
 
+def local_correction_sum(
+    bucket: FlatBucket, dropped: Optional[Tensor], weights: Optional[Tensor] = None, spare: int = 0
+) -> Tensor:
+    """``sum_j K p_j c_j`` over this process's learners (``c_j`` in ``bucket.corrections``, ``K p_j`` in
+    ``weights``; 1 when None), ``dropped`` rows zeroed first. The result is a new vector with ``spare``
+    unset slots at its end, where other sums may ride along in the same all-reduce."""
+    if dropped is not None:
+        bucket.corrections[dropped] = 0.0
+    out = bucket.corrections.new_empty(bucket.corrections.shape[1] + spare)
+    head = out[: bucket.corrections.shape[1]]
+    if weights is None:
+        torch.sum(bucket.corrections, 0, out=head)
+    else:
+        torch.matmul(weights, bucket.corrections, out=head)
+    return out
+
+
 def sum_corrections(
     bucket: FlatBucket, all_reduce_sum: AllReduceSum, dropped: Optional[Tensor], weights: Optional[Tensor] = None
 ) -> Tensor:
-    """``sum_j K p_j c_j`` over the learners of every process (``c_j`` in ``bucket.corrections``, ``K p_j`` in
-    ``weights``; 1 when None), ``dropped`` rows left out. With every ``p_j = 1/K`` it is ``sum_j c_j``."""
-    if dropped is not None:
-        bucket.corrections[dropped] = 0.0
-    if weights is None:
-        return all_reduce_sum(bucket.corrections.sum(0))
-    return all_reduce_sum(weights @ bucket.corrections)
+    """``sum_j K p_j c_j`` over the learners of every process (see :func:`local_correction_sum`): one
+    all-reduce. With every ``p_j = 1/K`` it is ``sum_j c_j``."""
+    return all_reduce_sum(local_correction_sum(bucket, dropped, weights))
 
 
 class Averaging(ABC):
@@ -194,7 +207,8 @@ class ScaledAveraging(Averaging):
     - a number: that ``eta``.
 
     ``eta_t`` also warms up linearly from 1 over the first ``warmup_epochs`` (:func:`warmed_up`; 0: none).
-    Costs beyond SMA: one squared norm per learner and one 2-element all-reduce per step (``"adaptive"``).
+    Costs beyond SMA (``"adaptive"``): one squared norm per learner, and two more numbers in the all-reduce
+    of the summed steps (one collective per step either way).
     """
 
     def __init__(
@@ -215,37 +229,59 @@ class ScaledAveraging(Averaging):
         #: The last outer learning rate used (logged as ``crossbow/outer_lr``).
         self.last_eta = 1.0
 
-    def _measure(
-        self, buckets: Sequence[FlatBucket], sums: Sequence[Tensor], all_reduce_sum: AllReduceSum, dropped: Optional[Tensor]
-    ) -> None:
-        """Folds this step's ``(sigma^2, |g|^2)``, from the steps ``d_j`` in ``bucket.corrections``, into the averages."""
+    def _local_statistics(self, buckets: Sequence[FlatBucket], dropped: Optional[Tensor]) -> Tensor:
+        """``(sum_j |d_j|^2, number of learners)`` on this process, in float64 (dropped rows already zeroed)."""
         local = torch.zeros(2, dtype=torch.float64, device=buckets[0].center.device)
         for bucket in buckets:
             flat = bucket.corrections.view(-1)
             local[0] += torch.dot(flat, flat)
         local[1] = buckets[0].corrections.shape[0] - (0 if dropped is None else int(dropped.sum()))
-        square_sum, learners = all_reduce_sum(local).tolist()  # one 2-element all-reduce
+        return local
+
+    def _measure(self, statistics: Tensor, sums: Sequence[Tensor]) -> None:
+        """Folds this step's ``(sigma^2, |g|^2)`` into the averages, from ``statistics`` (``sum_j |d_j|^2`` and
+        ``K`` over every process) and ``sums`` (``sum_j d_j`` per bucket)."""
+        square_sum, learners = statistics.tolist()
         if learners < 2:
             return
         square_of_mean = sum(float(torch.dot(total, total)) for total in sums) / learners**2
-        noise, signal = noise_and_signal(square_sum / learners, square_of_mean, int(learners))
+        noise, signal = noise_and_signal(square_sum / learners, square_of_mean, round(learners))
         beta = self.smoothing
         self.noise = beta * self.noise + (1 - beta) * noise
         self.signal = beta * self.signal + (1 - beta) * signal
         self.steps_measured += 1
+
+    def _sum_steps(self, buckets: Sequence[FlatBucket], step: StepContext) -> tuple[list[Tensor], Optional[Tensor]]:
+        """``sum_j K p_j d_j`` per bucket over every process and, for ``"adaptive"``, the statistics of
+        :meth:`_local_statistics` over every process. One all-reduce per bucket: the statistics ride in the
+        last bucket's when it is float32 or float64 (otherwise they take a 2-element all-reduce of their own)."""
+        adaptive = self.outer_lr == "adaptive"
+        riding = adaptive and buckets[-1].corrections.dtype in (torch.float32, torch.float64)
+        local = []
+        for bucket in buckets:
+            torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
+            spare = 2 if riding and bucket is buckets[-1] else 0
+            local.append(local_correction_sum(bucket, step.dropped, step.learner_weights, spare))
+        if not adaptive:
+            return [step.all_reduce_sum(total) for total in local], None
+        statistics = self._local_statistics(buckets, step.dropped)
+        if not riding:
+            return [step.all_reduce_sum(total) for total in local], step.all_reduce_sum(statistics)
+        local[-1][-2:] = statistics
+        sums = [step.all_reduce_sum(total) for total in local]
+        statistics = sums[-1][-2:].double()
+        sums[-1] = sums[-1][:-2]
+        return sums, statistics
 
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
         step: StepContext,
     ) -> None:
-        sums = []
-        for bucket in buckets:
-            torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
-            sums.append(sum_corrections(bucket, step.all_reduce_sum, step.dropped, step.learner_weights))
+        sums, statistics = self._sum_steps(buckets, step)
         num_learners = step.num_learners
-        if self.outer_lr == "adaptive":
-            self._measure(buckets, sums, step.all_reduce_sum, step.dropped)
+        if statistics is not None:
+            self._measure(statistics, sums)
             target = gain_ratio(self.noise, self.signal, num_learners)  # the averages' common bias cancels
         elif self.outer_lr == "linear":
             adaptive = isinstance(step.optimizer, ADAPTIVE_OPTIMIZERS)

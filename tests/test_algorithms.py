@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_crossbow import CrossbowStrategy
-from lightning_crossbow.algorithms import gain_ratio, noise_and_signal, warmed_up
+from lightning_crossbow.algorithms import ScaledAveraging, StepContext, gain_ratio, noise_and_signal, warmed_up
+from lightning_crossbow.replicas import FlatBucket
 from tests.helpers import (
     Classifier,
     ReferenceGossip,
@@ -169,3 +170,53 @@ def test_gossip_learners_added_by_a_k_change_start_from_the_learners_mean() -> N
         assert not torch.equal(rows[0], rows[1])  # the three learners had drifted apart
         for new in (rows[3], rows[4]):
             torch.testing.assert_close(new, rows[:3].mean(0))
+
+
+# ------------------------------------------------------------------ communication per step
+@pytest.mark.parametrize(("dtype", "collectives"), [(torch.float32, 1), (torch.float64, 1), (torch.bfloat16, 2)])
+def test_adaptive_scaled_averaging_sums_steps_and_statistics_in_one_all_reduce(dtype: torch.dtype, collectives: int) -> None:
+    """The gain's statistics ride in the all-reduce of the summed steps (a second one only for 16-bit buckets).
+
+    A stand-in all-reduce plays a second process whose learners took exactly this process's steps, so
+    ``K = 2k`` and the reference below computes the gain from the ``2k`` steps written out."""
+    k, n = 3, 7
+    generator = torch.Generator().manual_seed(0)
+    center = torch.randn(n, generator=generator, dtype=torch.float64)
+    steps = torch.randn(k, n, generator=generator, dtype=torch.float64) * 0.1 + 0.05
+    bucket = FlatBucket(
+        names=["w"],
+        shapes=[torch.Size([n])],
+        offsets=[0],
+        center=center.to(dtype, copy=True),
+        center_prev=center.to(dtype, copy=True),
+        replicas=(center + steps).to(dtype),
+        corrections=torch.empty(k, n, dtype=dtype),
+    )
+    calls: list[int] = []
+
+    def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:  # two processes with the same learners
+        calls.append(tensor.numel())
+        return tensor.mul_(2)
+
+    rule = ScaledAveraging(smoothing=0.0)
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    context = StepContext(
+        num_learners=2 * k,
+        step=0,
+        epochs_done=0.1,
+        optimizer=torch.optim.SGD([parameter], lr=0.1),
+        all_reduce_sum=all_reduce_sum,
+        pull_rows=lambda rows, shift: rows,
+    )
+    rule.after_local_step([bucket], context)
+
+    assert len(calls) == collectives
+    all_steps = (bucket_steps := (center + steps).to(dtype).double() - center.to(dtype).double()).repeat(2, 1)
+    mean = all_steps.mean(0)
+    noise, signal = noise_and_signal(float((all_steps**2).sum(1).mean()), float(mean @ mean), 2 * k)
+    eta = gain_ratio(noise, signal, 2 * k)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype != torch.bfloat16 else dict(rtol=2e-2, atol=2e-2)
+    assert rule.last_eta == pytest.approx(eta, rel=tolerance["rtol"])
+    expected_center = center.to(dtype).double() + eta / (2 * k) * 2 * bucket_steps.sum(0)
+    torch.testing.assert_close(bucket.center.double(), expected_center, **tolerance)
+    assert torch.equal(bucket.replicas, bucket.center.expand(k, n))
