@@ -178,7 +178,13 @@ def distributed_section(data: dict[str, Any], plots: Path) -> list[str]:
             f"| {name} | {m['samples_per_sec']:.0f} | {m['step_ms']:.2f} | {m['collectives_per_step']:.2f}"
             f" | {m['bytes_per_step']:.0f} | {comm} |"
         )
-    lines += ["", f"crossbow / DDP samples/s: {data['crossbow_over_ddp']:.2f} (median of paired runs).", ""]
+    lines += [
+        "",
+        f"crossbow / DDP samples/s: {data['crossbow_over_ddp']:.2f} (median of paired runs). Both count Lightning's"
+        " own broadcast at every step (a SIGTERM check); crossbow's other collective is its one all-reduce of the"
+        " summed corrections, DDP's its gradient bucket.",
+        "",
+    ]
     return lines
 
 

@@ -81,7 +81,7 @@ def test_two_processes_match_the_reference_over_all_learners(tmp_path: Path, lau
 
 
 def test_scaled_averaging_on_two_processes_matches_the_reference_over_all_learners(tmp_path: Path) -> None:
-    """The gain is measured over all K = 4 learners of both ranks: one 2-element all-reduce beside the buckets'."""
+    """The gain is measured over all K = 4 learners of both ranks (its statistics ride in the buckets' all-reduce)."""
     k, epochs = 2, 2
     result = _run(tmp_path, "popen", str(k), "--epochs", str(epochs), "--algorithm", "scaled_averaging")
     assert result.returncode == 0, result.stderr[-3000:]
