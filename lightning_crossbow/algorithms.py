@@ -68,6 +68,7 @@ class StepContext:
     #: learners (Adaptive SGD's normalized merging); None when every batch has the same size (all ``K p_j = 1``).
     learner_weights: Optional[Tensor] = None
 
+
 #: Optimizers that divide by a running gradient scale: for them the square-root rule applies.
 ADAPTIVE_OPTIMIZERS: tuple[type[Optimizer], ...] = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta)
 
@@ -290,7 +291,9 @@ class ScaledAveraging(Averaging):
             target = float(self.outer_lr)
         self.last_eta = eta = warmed_up(target, step.epochs_done, self.warmup_epochs)
         for bucket, correction_sum in zip(buckets, sums):
-            update_center_(bucket.center, bucket.center_prev, correction_sum.mul_(eta / num_learners), self.central_momentum)
+            update_center_(
+                bucket.center, bucket.center_prev, correction_sum.mul_(eta / num_learners), self.central_momentum
+            )
             bucket.replicas.copy_(bucket.center.expand_as(bucket.replicas))
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,9 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sized
 from itertools import islice
-from typing import Any
+from typing import Any, Optional
 
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
+
+
+def loader_length(loader: object) -> Optional[int]:
+    """``len(loader)``, or None when it has none: a DataLoader defines ``__len__`` even over an
+    ``IterableDataset`` without a length, and then raises ``TypeError``."""
+    if not isinstance(loader, Sized):
+        return None
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 class ReplicaGroup(list):
@@ -68,18 +79,21 @@ class ReplicaBatchLoader:
 
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those already made, and those the rest of the loader fills at k now."""
-        if not isinstance(self.loader, Sized):
-            raise TypeError("The wrapped loader has no length.")
-        return self.groups_yielded + (len(self.loader) - self.batches_taken) // self.num_replicas
+        return self.groups_yielded + (self._loader_length() - self.batches_taken) // self.num_replicas
 
     def __len__(self) -> int:
-        if not isinstance(self.loader, Sized):
-            raise TypeError("The wrapped loader has no length.")
-        return len(self.loader) // self.num_replicas
+        return self._loader_length() // self.num_replicas
 
     def dropped_batches(self) -> int:
-        """Batches per epoch that do not fill a last group of ``num_replicas`` and are skipped."""
-        return len(self.loader) % self.num_replicas if isinstance(self.loader, Sized) else 0
+        """Batches per epoch that do not fill a last group of ``num_replicas`` and are skipped (0 without a length)."""
+        length = loader_length(self.loader)
+        return 0 if length is None else length % self.num_replicas
+
+    def _loader_length(self) -> int:
+        length = loader_length(self.loader)
+        if length is None:
+            raise TypeError("The wrapped loader has no length.")
+        return length
 
     def __getattr__(self, name: str) -> Any:
         if name in _OWN_ATTRIBUTES:  # not set yet (e.g. while unpickling)

@@ -47,13 +47,15 @@ class NotFusableError(RuntimeError):
 @dataclass
 class ReplicaStepOutput:
     """What one step of ``k`` replicas returns: ``total`` (the sum of their losses, attached to the graph:
-    its backward gives every replica its own gradient), each replica's loss (detached, shape ``(k,)``)
-    and the other entries of a dict output (mean over replicas)."""
+    its backward gives every replica its own gradient; None when every replica skipped the step), each
+    replica's loss (detached, shape ``(k,)``; 0 for a skipped replica), the other entries of a dict output
+    (mean over replicas), and which replicas skipped the step (their ``training_step`` returned None)."""
 
-    total: Tensor
+    total: Optional[Tensor]
     losses: Tensor
     extras: dict[str, Any] = field(default_factory=dict)
     returned_dict: bool = False
+    skipped: Optional[Tensor] = None
 
 
 class _TrainingStep(nn.Module):
@@ -139,16 +141,21 @@ class SequentialEngine(Engine):
         losses: list[Tensor] = []
         extras: list[dict[str, Any]] = []
         returned_dict = False
+        skipped = []
         for output in outputs:
             loss, extra, is_dict = _split_output(output)
             returned_dict |= is_dict
-            # A replica whose training_step returns None skips the step: no loss, no gradient.
-            losses.append(loss if loss is not None else torch.zeros((), device=_device_of(stack)))
+            skipped.append(loss is None)  # a replica whose training_step returns None skips the step
+            if loss is not None:
+                losses.append(loss)
             extras.append(extra)
         # One replica: its loss is the total as it is (no stack and sum nodes in the backward graph).
-        total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        detached = torch.stack([loss.detach() for loss in losses])
-        return ReplicaStepOutput(total, detached, _mean_extras(extras), returned_dict)
+        total = None if not losses else losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        found = iter(loss.detach() for loss in losses)
+        zero = torch.zeros((), device=_device_of(stack))
+        detached = torch.stack([zero if skip else next(found) for skip in skipped])
+        skipped_rows = torch.tensor(skipped, device=detached.device) if any(skipped) else None
+        return ReplicaStepOutput(total, detached, _mean_extras(extras), returned_dict, skipped_rows)
 
     def _replica_outputs(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
@@ -280,7 +287,10 @@ class FusedEngine(Engine):
 class AutoEngine(Engine):
     """Fused; on the first failure of the user's ``training_step`` under ``vmap``, sequential for good.
 
-    The failed attempt changes nothing: the replicas' buffers are restored and its logs dropped.
+    Every fused step is guarded, not only the first: code that ``vmap`` cannot run may appear at any step
+    (a branch on ``batch_idx``, a callback that changes a layer). The failed attempt changes nothing: the
+    replicas' buffers are restored from a copy taken before each fused step, the metrics' state is
+    restored, and its logs are dropped.
     """
 
     name = "auto"
@@ -290,22 +300,34 @@ class AutoEngine(Engine):
         self.fused = FusedEngine(module)
         self.sequential = SequentialEngine(module)
         self.active: Engine = self.fused
-        self._proven = False
+        self._metrics = _metrics_of(module)  # walked once: a step only copies their attributes
+        self._saved_buffers: dict[str, Tensor] = {}
+
+    def _save_buffers(self, stack: ReplicaStack) -> dict[str, Tensor]:
+        """Copies the replicas' buffers into tensors kept from step to step (allocated once per shape)."""
+        with torch.no_grad():
+            for name, buffer in stack.buffers.items():
+                saved = self._saved_buffers.get(name)
+                if saved is None or saved.shape != buffer.shape or saved.device != buffer.device:
+                    self._saved_buffers[name] = buffer.clone()
+                else:
+                    saved.copy_(buffer)
+        return self._saved_buffers
 
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> ReplicaStepOutput:
-        if self._proven or self.active is self.sequential:
-            return self.active.run(stack, batches, args, capture)
-        saved_buffers = {name: b.clone() for name, b in stack.buffers.items()}
-        saved_metrics = {metric: dict(vars(metric)) for metric in _metrics_of(self.module)}
+        if self.active is self.sequential:
+            return self.sequential.run(stack, batches, args, capture)
+        saved_buffers = self._save_buffers(stack)
+        saved_metrics = {metric: dict(vars(metric)) for metric in self._metrics}
         try:
             output = self.fused.run(stack, batches, args, capture)
             _check_no_escaped_metric_state(saved_metrics)
         except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
             with torch.no_grad():
-                for name, saved in saved_buffers.items():
-                    stack.buffers[name].copy_(saved)
+                for name in stack.buffers:
+                    stack.buffers[name].copy_(saved_buffers[name])
             for metric, state in saved_metrics.items():
                 vars(metric).update(state)
             capture.clear()
@@ -317,8 +339,8 @@ class AutoEngine(Engine):
                 stacklevel=2,
             )
             self.active = self.sequential
+            self._saved_buffers = {}
             return self.sequential.run(stack, batches, args, capture)
-        self._proven = True
         return output
 
     @property

@@ -10,6 +10,7 @@ within a tensor (LBFGS, LARS, LAMB, Shampoo, Adafactor, ...) would mix replicas 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,7 +19,17 @@ from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam
 from lightning_crossbow.replicas import resize_rows
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
-    SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop, ASGD,
+    SGD,
+    Adam,
+    AdamW,
+    Adamax,
+    NAdam,
+    RAdam,
+    RMSprop,
+    Adagrad,
+    Adadelta,
+    Rprop,
+    ASGD,
 )
 
 
@@ -44,6 +55,26 @@ def repoint_to_stack(optimizer: Optimizer, stacked: Mapping[int, Tensor], num_re
     replica: tensors shaped like ``p`` become ``(k, *p.shape)``, anything else is kept as it is.
     """
     _replace_params(optimizer, stacked, lambda value: value.unsqueeze(0).repeat(num_replicas, *([1] * value.dim())))
+
+
+@torch.no_grad()
+def central_state_dict(optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as if it stepped the module's own parameters: every per-replica state
+    tensor (shaped like its stacked ``(k, *shape)`` parameter) becomes its mean over the replicas; other
+    state (Adam's ``step``...) and the hyper-parameters are kept. Plain Lightning, or any optimizer over
+    the module's parameters, loads it. The optimizer itself is not changed."""
+    state_dict = optimizer.state_dict()
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, param in enumerate(params):
+        entry = state_dict["state"].get(index)
+        if entry is not None:  # a new dict: the entry is the optimizer's own
+            state_dict["state"][index] = {
+                key: value.mean(0)
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
+                else value
+                for key, value in entry.items()
+            }
+    return state_dict
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -67,10 +68,11 @@ from lightning_crossbow.algorithms import (
 )
 from lightning_crossbow.balancing import SpeedBalancer
 from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
-from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup, RoutedBatchLoader
+from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup, RoutedBatchLoader, loader_length
 from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
+    central_state_dict,
     check_elementwise,
     clip_grad_norm_per_replica_,
     repoint_to_stack,
@@ -220,6 +222,7 @@ class CrossbowStrategy(DDPStrategy):
         self.engine: Optional[Engine] = None
         self._log_capture = LogCapture()
         self._step_losses: Optional[Tensor] = None
+        self._step_skipped: Optional[Tensor] = None  # replicas whose training_step returned None this step
         self._last_lrs: Optional[list[float]] = None
         self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
@@ -414,6 +417,13 @@ class CrossbowStrategy(DDPStrategy):
             grouped = ReplicaBatchLoader(dataloader, self.replicas_per_device)
             batches_per_step, per_step = self.replicas_per_device, f"replicas_per_device={self.replicas_per_device}"
         self._grouped = grouped
+        length = loader_length(dataloader)
+        if length is not None and self.routing is None and length < batches_per_step:
+            raise ValueError(
+                f"crossbow: the training DataLoader has {length} batches per epoch, fewer than the"
+                f" {batches_per_step} that one step takes ({per_step}): not one step could be made. Use at most"
+                f" replicas_per_device={length}, or give the loader more batches (a smaller batch size)."
+            )
         dropped = grouped.dropped_batches()
         if dropped:
             rank_zero_warn(
@@ -501,7 +511,13 @@ class CrossbowStrategy(DDPStrategy):
         self._log_crossbow_metrics(module)
         losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
-        return {"loss": output.total, **output.extras} if output.returned_dict else output.total
+        # A replica skips the step only if it skipped every batch the step accumulates.
+        skipped = output.skipped if output.skipped is not None else torch.zeros_like(losses, dtype=torch.bool)
+        self._step_skipped = skipped if self._step_skipped is None else self._step_skipped & skipped
+        if output.total is None:  # every replica skipped: Lightning skips the backward, as for a plain module
+            return None
+        loss = _reported_as_mean(output.total, losses, skipped)
+        return {"loss": loss, **output.extras} if output.returned_dict else loss
 
     # ------------------------------------------------------------------------- changing k
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
@@ -538,8 +554,28 @@ class CrossbowStrategy(DDPStrategy):
             self.balancer.history.append((self.lightning_module.trainer.global_step, split))
         else:
             self._grouped.num_replicas = replicas_per_device
+            self._warn_of_skipped_batches()
         self._epoch_length_follows_k = True
         self._fit_epoch_length(trainer)
+
+    def _warn_of_skipped_batches(self) -> None:
+        """Warns when k now leaves more than a tenth of every epoch's batches out of its last, unfilled step."""
+        assert self._grouped is not None
+        length, dropped = loader_length(self._grouped.loader), self._grouped.dropped_batches()
+        if length is not None and dropped * 10 > length:
+            rank_zero_warn(
+                f"crossbow: with replicas_per_device={self._grouped.num_replicas} the last {dropped} of the"
+                f" {length} batches of every epoch do not fill a step and are skipped."
+            )
+
+    def replicas_fitting_an_epoch(self) -> Optional[int]:
+        """The most replicas per device for which an epoch's skipped batches (those that do not fill a last
+        step, fewer than k) stay under a tenth of it: a tenth of the batches per epoch, at least 1. None
+        when the training loader has no length or the data are routed (heterogeneous mode)."""
+        if self._grouped is None or self.routing is not None:
+            return None
+        length = loader_length(self._grouped.loader)
+        return None if length is None else max(1, length // 10)
 
     def _fit_epoch_length(self, trainer: "pl.Trainer") -> None:
         """Sets Lightning's count of this epoch's steps (and end-of-epoch validation) to the groups at k now."""
@@ -591,7 +627,7 @@ class CrossbowStrategy(DDPStrategy):
         )
         self.engine = self._make_engine(replicas_per_device, fused_failed=self.engine.fused_failed)
         self.replicas_per_device = replicas_per_device
-        self._step_losses = None
+        self._step_losses = self._step_skipped = None
         if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
             rank_zero_info(f"crossbow: replicas_per_device is now {replicas_per_device} (K = {self.num_learners}).")
 
@@ -639,6 +675,10 @@ class CrossbowStrategy(DDPStrategy):
             optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
         )
         diverged = self._diverged_replicas()
+        skipped, self._step_skipped = self._step_skipped, None
+        if skipped is not None and not bool(skipped.any()):
+            skipped = None
+        dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
         window_done = False
         if self.balancer is not None:
             self._wait_for_device()
@@ -650,7 +690,7 @@ class CrossbowStrategy(DDPStrategy):
             optimizer=optimizer,
             all_reduce_sum=all_reduce_sum_,
             pull_rows=pull_rows,
-            dropped=diverged,
+            dropped=dropped,
             learner_weights=self._learner_weights(),
         )
         with torch.no_grad(), self._averaging_stream():
@@ -659,6 +699,8 @@ class CrossbowStrategy(DDPStrategy):
             if not self.averaging.center_is_learner_mean:  # (gossip's learners took their peers' weights)
                 self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
             reset_state_rows_(optimizer, diverged)
+        if skipped is not None and not self.averaging.center_is_learner_mean:
+            self.stack.reset_replicas_(self.lightning_module, skipped, buffers=False)  # sat the step out: from z
         self._center_stale = True
         if self.averaging.center_is_learner_mean and self._ends_an_epoch():
             self.sync_center()  # epoch-end callbacks and on_train_end read z directly
@@ -844,16 +886,26 @@ class CrossbowStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        state = self._strategy_state() if self.stack is not None else self._final_state  # gathers from every rank
-        if state is not None:
-            checkpoint[_CHECKPOINT_KEY] = state
+        if "optimizer_states" in checkpoint:  # (a weights-only checkpoint holds z alone, as plain Lightning's)
+            state = self._strategy_state() if self.stack is not None else self._final_state  # from every rank
+            if state is not None:
+                checkpoint[_CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state over the module's own parameters (the mean over replicas): the checkpoint's
+        ``optimizer_states`` resume in plain Lightning too. Each rank's stacked state is kept beside it."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return central_state_dict(optimizer)
 
     def _strategy_state(self) -> dict[str, Any]:
         assert self.stack is not None
-        local: dict[str, Any] = {"stack": self.stack.state_dict()}
-        if self.global_rank != 0:  # rank 0's optimizer state is Lightning's own "optimizer_states"
-            local["optimizer"] = apply_to_collection(self.optimizers[0].state_dict(), Tensor, _cpu_copy)
+        local: dict[str, Any] = {
+            "stack": self.stack.state_dict(),
+            "optimizer": apply_to_collection(self.optimizers[0].state_dict(), Tensor, _cpu_copy),  # stacked
+        }
         ranks = [local]
         if self.world_size > 1:
             ranks = [None] * self.world_size
@@ -945,7 +997,7 @@ class CrossbowStrategy(DDPStrategy):
             self._split = None
         self.stack = None
         self.engine = None
-        self._step_losses = None
+        self._step_losses = self._step_skipped = None
         if "clip_grad_by_norm" in vars(self.precision_plugin):
             del self.precision_plugin.clip_grad_by_norm
         if self._lightning_module is not None:
@@ -1047,6 +1099,18 @@ def _unroutable(dataloader: object) -> Optional[str]:
     if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
         return f"a batch_size (torch's BatchSampler), got a {type(dataloader.batch_sampler).__name__}"
     return None
+
+
+def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Tensor) -> Tensor:
+    """``total``, the sum of the replicas' losses, carrying the value of their mean: the step's loss that
+    Lightning hands to hooks and callbacks (``outputs["loss"]``), as plain Lightning hands a batch's loss.
+    The gradient is the sum's, unchanged (the added term is a constant): each replica still gets the
+    gradient of its own loss. Replicas that skipped the step are not counted."""
+    stepped = int((~skipped).sum())
+    if stepped == 1 and losses.numel() == 1:
+        return total
+    mean = losses.sum() / stepped
+    return total + (mean.to(total.dtype) - total.detach())
 
 
 def _destroy_process_group_at_exit() -> None:

@@ -196,7 +196,7 @@ class ReplicaAutoTuner(Callback):
         if self.objective == "progress":
             if not self._window_losses:
                 self._window_losses.append([])
-            self._window_losses[-1].append((self._window_seconds, _mean_loss(outputs, strategy.replicas_per_device)))
+            self._window_losses[-1].append((self._window_seconds, _mean_loss(outputs)))
         if self._window_steps < self.window:
             return
         k = strategy.tuned_replicas_per_device  # in heterogeneous mode, the mean over ranks
@@ -351,10 +351,15 @@ class ReplicaAutoTuner(Callback):
         return k < self._ceiling(k, strategy)
 
     def _ceiling(self, k: int, strategy: Any) -> int:
-        """The largest k allowed: ``max_replicas``, below any k that ran out of memory, and such that every
+        """The largest k allowed: ``max_replicas``, below any k that ran out of memory, such that every
         replica beyond ``k`` (weights, gradients, two optimizer states, corrections) fits twice in the free
-        memory of every rank (measured at the end of the last window)."""
+        memory of every rank (measured at the end of the last window), and such that an epoch's last,
+        unfilled step leaves out less than a tenth of its batches
+        (:meth:`~lightning_crossbow.CrossbowStrategy.replicas_fitting_an_epoch`)."""
         ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
+        fitting = strategy.replicas_fitting_an_epoch()
+        if fitting is not None:
+            ceiling = min(ceiling, fitting)
         return ceiling if self._room is None else min(ceiling, k + self._room)
 
     # ----------------------------------------------------------------------------- report
@@ -429,10 +434,10 @@ def _work_of_step(strategy: Any) -> float:
     return strategy.samples_per_step or strategy.replicas_per_device
 
 
-def _mean_loss(outputs: Any, replicas_per_device: int) -> float:
-    """The step's training loss, mean over replicas (the strategy returns their sum)."""
+def _mean_loss(outputs: Any) -> float:
+    """The step's training loss, mean over replicas (what the strategy reports as the step's loss)."""
     loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-    return float(loss) / replicas_per_device if loss is not None else float("nan")
+    return float(loss) if loss is not None else float("nan")
 
 
 def _slope(runs: list[list[tuple[float, float]]]) -> float:

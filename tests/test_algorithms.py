@@ -95,9 +95,9 @@ def test_one_learner_with_scaled_averaging_is_plain_lightning() -> None:
 def test_easgd_is_sma_without_central_momentum() -> None:
     dataset = make_data(num_samples=64)
     model, snapshot = Classifier(), ReplicaSnapshot()
-    trainer(strategy=CrossbowStrategy(replicas_per_device=4, algorithm="easgd"), max_epochs=2, callbacks=[snapshot]).fit(
-        model, loader(dataset)
-    )
+    trainer(
+        strategy=CrossbowStrategy(replicas_per_device=4, algorithm="easgd"), max_epochs=2, callbacks=[snapshot]
+    ).fit(model, loader(dataset))
     z, learners = reference_sma(
         make_net(), list(loader(dataset)), 4, 2, lambda params: make_optimizer("sgd", params, 0.1), alpha=0.25, mu=0.0
     )
@@ -174,7 +174,9 @@ def test_gossip_learners_added_by_a_k_change_start_from_the_learners_mean() -> N
 
 # ------------------------------------------------------------------ communication per step
 @pytest.mark.parametrize(("dtype", "collectives"), [(torch.float32, 1), (torch.float64, 1), (torch.bfloat16, 2)])
-def test_adaptive_scaled_averaging_sums_steps_and_statistics_in_one_all_reduce(dtype: torch.dtype, collectives: int) -> None:
+def test_adaptive_scaled_averaging_sums_steps_and_statistics_in_one_all_reduce(
+    dtype: torch.dtype, collectives: int
+) -> None:
     """The gain's statistics ride in the all-reduce of the summed steps (a second one only for 16-bit buckets).
 
     A stand-in all-reduce plays a second process whose learners took exactly this process's steps, so

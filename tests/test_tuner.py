@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -108,6 +108,7 @@ def tuned_fit(
     objective: str = "throughput",
     model=None,
     clock=None,
+    num_samples: int = 800,
     **tuner_kwargs: Any,
 ) -> tuple[ReplicaAutoTuner, L.Trainer]:
     clock = clock or FakeClock()
@@ -119,7 +120,8 @@ def tuned_fit(
         max_epochs=-1,
         default_root_dir=tmp_path,
     )
-    fit.fit(model or Classifier(), loader(make_data(num_samples=400)), ckpt_path=ckpt_path)
+    # num_samples / 8 batches per epoch: the tuner keeps k at most a tenth of that
+    fit.fit(model or Classifier(), loader(make_data(num_samples=num_samples)), ckpt_path=ckpt_path)
     return tuner, fit
 
 
@@ -147,10 +149,14 @@ def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path, climb: str, windo
     assert (tmp_path / "replica_tuning.png").read_bytes().startswith(b"\x89PNG")
 
 
-def search(climb: str, rate: Callable[[int], float], max_replicas: int = 16) -> tuple[int, list[int]]:
+def search(
+    climb: str, rate: Callable[[int], float], max_replicas: int = 16, fitting_an_epoch: Optional[int] = None
+) -> tuple[int, list[int]]:
     """Runs the throughput search on exact rates, window by window; returns the k it holds and the windows."""
     tuner = ReplicaAutoTuner(climb=climb, max_replicas=max_replicas, threshold=0.1)
-    device = SimpleNamespace(replica_ceiling=None, stack=None)  # no memory bound
+    device = SimpleNamespace(  # no memory bound
+        replica_ceiling=None, stack=None, replicas_fitting_an_epoch=lambda: fitting_an_epoch
+    )
     k = 1
     while tuner.chosen is None:
         tuner.history.append(TuningRecord(len(tuner.history), k, rate(k)))
@@ -163,7 +169,7 @@ def search_with_memory(climb: str, rate: Callable[[int], float], fits: int) -> t
     """The search on a device where more than ``fits`` replicas run out of memory: the strategy backs off to
     ``fits`` during the window and remembers it as its ceiling (as ``CrossbowStrategy._back_off`` does)."""
     tuner = ReplicaAutoTuner(climb=climb, max_replicas=16, threshold=0.1)
-    device = SimpleNamespace(replica_ceiling=None, stack=None)
+    device = SimpleNamespace(replica_ceiling=None, stack=None, replicas_fitting_an_epoch=lambda: None)
     k = 1
     while tuner.chosen is None:
         if k > fits:
@@ -327,8 +333,23 @@ def test_the_progress_objective_weighs_statistical_efficiency(tmp_path) -> None:
     """Throughput alone would take k=4; per second of wall time the loss falls fastest at k=2."""
     rate = {k: progress_per_step(k) / step_seconds(k) for k in range(1, 5)}  # loss decrease per second
     assert rate[2] > 1.1 * rate[1] and rate[3] < 1.1 * rate[2]
-    tuner, fit = tuned_fit(tmp_path, max_steps=80, objective="progress", model=ScriptedLoss())
+    tuner, fit = tuned_fit(tmp_path, max_steps=80, objective="progress", model=ScriptedLoss(), num_samples=400)
     assert tuner.chosen == fit.strategy.replicas_per_device == 2
     assert [r.replicas_per_device for r in tuner.history] == [1, 2, 1, 2, 3, 2]  # A-B-A around every trial
     for record in tuner.history:
         assert record.progress_per_sec == pytest.approx(rate[record.replicas_per_device], rel=1e-4)  # float32 losses
+
+
+@pytest.mark.parametrize("climb", ["linear", "doubling"])
+def test_the_search_keeps_k_where_an_epoch_skips_under_a_tenth_of_its_batches(climb: str) -> None:
+    """With 30 batches per epoch (a ceiling of 3), a throughput that keeps rising never takes k past 3."""
+    chosen, windows = search(climb, lambda k: 100.0 * k, fitting_an_epoch=3)
+    assert chosen == 3
+    assert max(windows) == 3
+
+
+def test_the_strategy_bounds_k_by_a_tenth_of_the_batches_per_epoch() -> None:
+    strategy = CrossbowStrategy(replicas_per_device=1)
+    fit = trainer(strategy=strategy, max_epochs=1)
+    fit.fit(Classifier(), loader(make_data(num_samples=8 * 35)))  # 35 batches of 8
+    assert strategy.replicas_fitting_an_epoch() == 3

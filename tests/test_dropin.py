@@ -1,0 +1,192 @@
+"""The drop-in contract around the step: what hooks and callbacks see, skipped steps, loaders, checkpoints."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_crossbow import CrossbowStrategy
+from tests.helpers import Classifier, loader, make_data, make_net, trainer
+
+
+# ------------------------------------------------------------------ what hooks and callbacks see
+class _LossSeen(L.Callback):
+    """Records the loss Lightning hands ``on_train_batch_end``, and the mean of the group's losses at z
+    (every learner starts the step at z with scaled averaging), computed here from the batches."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+        self.expected: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        with torch.no_grad():
+            self.expected.append(sum(float(F.cross_entropy(pl_module(x), y)) for x, y in batch) / len(batch))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.append(float(outputs["loss"]))
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_the_loss_callbacks_see_is_the_mean_over_replicas(engine: str) -> None:
+    seen = _LossSeen()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine=engine), max_epochs=1, callbacks=[seen]).fit(
+        Classifier(), loader(make_data(num_samples=64))
+    )
+    assert len(seen.seen) == 2
+    assert seen.seen == pytest.approx(seen.expected, rel=1e-5)
+
+
+class _SkipsSecondStep(Classifier):
+    """Returns None (skips the step) at batch_idx 1, as a user does for a batch to leave out."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def test_a_step_every_replica_skips_is_skipped_as_in_plain_lightning() -> None:
+    dataset = make_data(num_samples=48)
+    plain, crossbow = _SkipsSecondStep(), _SkipsSecondStep()
+    trainer(max_epochs=2).fit(plain, loader(dataset))
+    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=2).fit(crossbow, loader(dataset))
+    for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+class _CenterAt(L.Callback):
+    def __init__(self) -> None:
+        self.before: dict[int, list[Tensor]] = {}
+        self.after: dict[int, list[Tensor]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.before[batch_idx] = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.after[batch_idx] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+@pytest.mark.parametrize(("algorithm", "engine"), [("scaled_averaging", "auto"), ("sma", "sequential")])
+def test_a_step_that_every_replica_skips_leaves_z_where_it_was(algorithm: str, engine: str) -> None:
+    center = _CenterAt()
+    strategy = CrossbowStrategy(replicas_per_device=2, algorithm=algorithm, central_momentum=0.0, engine=engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto's fallback: vmap cannot return None
+        trainer(strategy=strategy, max_epochs=1, callbacks=[center]).fit(_SkipsSecondStep(), loader(make_data(64)))
+    for before, after in zip(center.before[1], center.after[1], strict=True):
+        assert torch.equal(before, after)
+    # (SMA moves z by the replicas' spread before a step: after a step that reset them to z, one step later)
+    assert any(not torch.equal(b, a) for b, a in zip(center.before[3], center.after[3], strict=True))
+
+
+class _SkipsLabelZeroFirst(Classifier):
+    """Replica-dependent skipping: a batch whose first label is 0 is left out."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if int(batch[1][0]) == 0 else super().training_step(batch, batch_idx)
+
+
+def test_a_replica_that_skips_is_left_out_of_the_average() -> None:
+    """Plain averaging (outer lr 1): z moves by the mean step of the replicas that stepped, over all K."""
+    dataset = make_data(num_samples=32)  # 4 batches of 8: one step of k=4
+    batches = list(loader(dataset))
+    stepped = [j for j, (_, y) in enumerate(batches) if int(y[0]) != 0]
+    assert 0 < len(stepped) < 4, "the data must make some replicas skip and others not"
+    model = _SkipsLabelZeroFirst(optimizer="plain_sgd")
+    z0 = [p.detach().clone() for p in model.parameters()]
+    strategy = CrossbowStrategy(replicas_per_device=4, outer_lr=1.0, engine="sequential")
+    trainer(strategy=strategy, max_epochs=1).fit(model, loader(dataset))
+
+    reference = make_net()
+    steps = [torch.zeros_like(p) for p in reference.parameters()]
+    for j in stepped:  # each stepping replica: one SGD step of lr 0.1 from z0
+        reference.zero_grad()
+        x, y = batches[j]
+        F.cross_entropy(reference(x), y).backward()
+        for total, p in zip(steps, reference.parameters()):
+            total -= 0.1 * p.grad
+    for p, start, total in zip(model.parameters(), z0, steps, strict=True):
+        torch.testing.assert_close(p.detach(), start + total / 4)
+
+
+class _ItemAtThirdStep(Classifier):
+    """Code vmap cannot run (``.item()``), but only from the third step on."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx >= 2:
+            self.seen_loss = loss.item()
+        return loss
+
+
+def test_auto_falls_back_to_sequential_when_fusing_fails_at_a_later_step() -> None:
+    dataset = make_data(num_samples=128)
+    auto, sequential = _ItemAtThirdStep(), _ItemAtThirdStep()
+    with pytest.warns(UserWarning, match="cannot run fused under torch.func.vmap"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="auto"), max_epochs=1).fit(
+            auto, loader(dataset)
+        )
+    trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="sequential"), max_epochs=1).fit(
+        sequential, loader(dataset)
+    )
+    for a, b in zip(auto.parameters(), sequential.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset without a length: the DataLoader over it has none either."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Any:
+        return iter(self.dataset)
+
+
+def test_a_loader_without_a_length_trains_on_every_group() -> None:
+    seen = _CenterAt()
+    data = torch.utils.data.DataLoader(_Stream(make_data(num_samples=56)), batch_size=8)  # 7 batches
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2, callbacks=[seen])
+    fit.fit(Classifier(), data)
+    assert fit.global_step == 2 * 3  # 3 full groups of 2 per pass; the 7th batch does not fill one
+
+
+def test_fewer_batches_than_replicas_is_refused_before_training() -> None:
+    with pytest.raises(ValueError, match=r"has 3 batches per epoch, fewer than the 4 that one step takes.*at most"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=4), max_epochs=1).fit(
+            Classifier(), loader(make_data(num_samples=24))
+        )
+
+
+# --------------------------------------------------------------------------------- checkpoints
+def test_a_crossbow_checkpoint_resumes_in_plain_lightning(tmp_path: Path) -> None:
+    """Its optimizer state is over the module's own parameters: the mean over replicas of theirs."""
+    dataset = make_data(num_samples=64)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), max_epochs=1)
+    fit.fit(Classifier(optimizer="adam"), loader(dataset))
+    path = tmp_path / "crossbow.ckpt"
+    fit.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    stacked = checkpoint["crossbow"]["ranks"][0]["optimizer"]["state"]
+    central = checkpoint["optimizer_states"][0]["state"]
+    for index, state in stacked.items():
+        torch.testing.assert_close(central[index]["exp_avg"], state["exp_avg"].mean(0))
+        assert torch.equal(central[index]["step"], state["step"])
+
+    plain = trainer(max_epochs=2)
+    plain.fit(Classifier(optimizer="adam"), loader(dataset), ckpt_path=path)
+    assert plain.global_step == 4 + 8  # crossbow's 4 steps, then one epoch of 8 plain steps
+
+
+def test_a_weights_only_checkpoint_holds_no_crossbow_state(tmp_path: Path) -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
+    fit.fit(Classifier(), loader(make_data(num_samples=32)))
+    fit.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+    checkpoint = torch.load(tmp_path / "weights.ckpt", weights_only=False)
+    assert "crossbow" not in checkpoint and "optimizer_states" not in checkpoint
+    assert set(checkpoint["state_dict"]) == set(Classifier().state_dict())
