@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import numbers
 import os
 import time
 import warnings
@@ -33,7 +34,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -201,15 +202,17 @@ class CrossbowStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.replicas_per_device = replicas_per_device
+        self.replicas_per_device = int(replicas_per_device)
         self.algorithm = algorithm
         self._alpha = None if alpha is None else float(alpha)
         self.central_momentum = self.averaging.central_momentum
         self.outer_lr = outer_lr
         self.warmup_epochs = float(warmup_epochs)
         self.engine_name = engine
+        if not isinstance(reset_on_lr_drop, bool):
+            raise ValueError(f"reset_on_lr_drop must be True or False, got {reset_on_lr_drop!r}.")
         self.reset_on_lr_drop = reset_on_lr_drop
-        self.elementwise_optimizers = tuple(elementwise_optimizers)
+        self.elementwise_optimizers = _optimizer_classes(elementwise_optimizers)
         #: Splits the learners by speed in heterogeneous mode (None otherwise).
         self.balancer: Optional[SpeedBalancer] = (
             heterogeneous if isinstance(heterogeneous, SpeedBalancer) else SpeedBalancer() if heterogeneous else None
@@ -223,6 +226,7 @@ class CrossbowStrategy(DDPStrategy):
         self._log_capture = LogCapture()
         self._step_losses: Optional[Tensor] = None
         self._step_skipped: Optional[Tensor] = None  # replicas whose training_step returned None this step
+        self._gradients_pending = False  # see `accumulating`
         self._last_lrs: Optional[list[float]] = None
         self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
@@ -246,6 +250,12 @@ class CrossbowStrategy(DDPStrategy):
         if self._split is not None:
             return sum(self._split)
         return self.replicas_per_device * self.world_size
+
+    @property
+    def accumulating(self) -> bool:
+        """Whether the replicas hold gradients of batches that no optimizer step has used yet
+        (``accumulate_grad_batches > 1``, between two optimizer steps)."""
+        return self._gradients_pending
 
     @property
     def engine_measuring(self) -> bool:
@@ -345,7 +355,10 @@ class CrossbowStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise RuntimeError(_ONE_OPTIMIZER.format(count=len(self.optimizers)))
         optimizer = self.optimizers[0]
+        if isinstance(optimizer, _MockOptimizer):
+            raise RuntimeError(_ONE_OPTIMIZER.format(count="none (configure_optimizers returned None)"))
         check_elementwise(optimizer, self.elementwise_optimizers)
+        _check_callbacks(trainer)
         self._check_same_config_on_all_ranks()
         module = self.lightning_module
         if self.engine_name == "streams" and self._stream_pool() is None:
@@ -511,6 +524,7 @@ class CrossbowStrategy(DDPStrategy):
         self._log_crossbow_metrics(module)
         losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
+        self._gradients_pending = True
         # A replica skips the step only if it skipped every batch the step accumulates.
         skipped = output.skipped if output.skipped is not None else torch.zeros_like(losses, dtype=torch.bool)
         self._step_skipped = skipped if self._step_skipped is None else self._step_skipped & skipped
@@ -537,10 +551,12 @@ class CrossbowStrategy(DDPStrategy):
         elif replicas_per_device == (self._grouped.num_replicas if self._grouped else self.replicas_per_device):
             return
         trainer = self._lightning_module._trainer if self._lightning_module is not None else None
-        if trainer is not None and trainer.accumulate_grad_batches > 1:
+        if self.accumulating:
             raise RuntimeError(
-                "crossbow cannot change replicas_per_device with accumulate_grad_batches > 1: the gradients"
-                " accumulated for the current replicas would not fit the new ones."
+                "crossbow cannot change replicas_per_device while gradients are being accumulated"
+                f" (accumulate_grad_batches={trainer.accumulate_grad_batches if trainer else '?'}): the gradients"
+                " accumulated for the current replicas would not fit the new ones. Change it right after an"
+                " optimizer step (ReplicaAutoTuner waits for one)."
             )
         if self.stack is None:  # not training: the next fit starts with it
             self.replicas_per_device = replicas_per_device
@@ -674,6 +690,7 @@ class CrossbowStrategy(DDPStrategy):
         output = self.precision_plugin.optimizer_step(
             optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
         )
+        self._gradients_pending = False
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
         if skipped is not None and not bool(skipped.any()):
@@ -1059,6 +1076,11 @@ def _make_averaging(
         raise ValueError(f"outer_lr must be 'adaptive', 'linear' or a positive number, got {outer_lr!r}.")
     if not (_is_real(warmup_epochs) and warmup_epochs >= 0):
         raise ValueError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
+    # (numbers as Python floats: numpy's are accepted above)
+    alpha = None if alpha is None else float(alpha)
+    central_momentum = None if central_momentum is None else float(central_momentum)
+    outer_lr = outer_lr if isinstance(outer_lr, str) else float(outer_lr)
+    warmup_epochs = float(warmup_epochs)
     if algorithm == "scaled_averaging":
         if alpha is not None:
             raise ValueError(
@@ -1101,6 +1123,36 @@ def _unroutable(dataloader: object) -> Optional[str]:
     return None
 
 
+def _check_callbacks(trainer: "pl.Trainer") -> None:
+    """Refuses, before training, the callbacks whose work crossbow's replicas would silently undo."""
+    from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
+
+    for callback in trainer.callbacks:
+        problem = None
+        if isinstance(callback, BaseFinetuning):
+            problem = (
+                "it changes which parameters the optimizer steps while training runs (it freezes, unfreezes and"
+                " adds parameter groups), and crossbow's optimizer steps stacked replicas of the parameters"
+                " configure_optimizers gave it"
+            )
+        elif isinstance(callback, ModelPruning):
+            problem = (
+                "it re-registers each pruned parameter (weight_orig and a mask), and crossbow replicates the parameters"
+            )
+        elif isinstance(callback, StochasticWeightAveraging) and any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in trainer.lightning_module.modules()
+        ):
+            problem = (
+                "with BatchNorm it recomputes the running statistics of the averaged weights in an extra epoch,"
+                " which crossbow would run on the replicas instead (without BatchNorm it works)"
+            )
+        if problem is not None:
+            raise ValueError(
+                f"crossbow cannot train with the {type(callback).__name__} callback: {problem}. Remove the callback,"
+                " or train with another strategy."
+            )
+
+
 def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Tensor) -> Tensor:
     """``total``, the sum of the replicas' losses, carrying the value of their mean: the step's loss that
     Lightning hands to hooks and callbacks (``outputs["loss"]``), as plain Lightning hands a batch's loss.
@@ -1119,12 +1171,31 @@ def _destroy_process_group_at_exit() -> None:
 
 
 def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_positive_int(name: str, value: Any, also: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """An integer (numpy's included), not a bool, at least 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int (1, 2, 3, ...){also}, got {value!r}.")
+
+
+def _optimizer_classes(classes: Any) -> tuple[type[Optimizer], ...]:
+    """``elementwise_optimizers`` as a tuple of optimizer classes (one class alone is accepted)."""
+    if isinstance(classes, type):
+        classes = (classes,)
+    try:
+        classes = tuple(classes)
+    except TypeError:
+        classes = (classes,)
+    wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, Optimizer))]
+    if wrong:
+        raise ValueError(
+            "elementwise_optimizers must list optimizer classes (subclasses of torch.optim.Optimizer), for example"
+            f" elementwise_optimizers=[MySGD]; got {wrong[0]!r}."
+        )
+    return classes
 
 
 def _cpu_copy(tensor: Tensor) -> Tensor:

@@ -197,7 +197,7 @@ class ReplicaAutoTuner(Callback):
             if not self._window_losses:
                 self._window_losses.append([])
             self._window_losses[-1].append((self._window_seconds, _mean_loss(outputs)))
-        if self._window_steps < self.window:
+        if self._window_steps < self.window or strategy.accumulating:  # k changes right after an optimizer step
             return
         k = strategy.tuned_replicas_per_device  # in heterogeneous mode, the mean over ranks
         self._room = strategy.replica_room()  # a collective: every rank ends this window at this step

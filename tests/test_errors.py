@@ -7,6 +7,8 @@ import math
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
+from torch import nn
 
 from lightning_crossbow import CrossbowAccelerator, CrossbowStrategy
 from tests.helpers import Classifier, loader, make_data, trainer
@@ -148,3 +150,83 @@ def test_strategy_and_accelerator_names_are_registered() -> None:
     t = L.Trainer(strategy="crossbow", accelerator="crossbow", devices=1, logger=False)
     assert isinstance(t.accelerator, CrossbowAccelerator)
     assert t.strategy.root_device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(
+    ("callback", "module", "match"),
+    [
+        (
+            lambda: BackboneFinetuning(unfreeze_backbone_at_epoch=1),
+            "backbone",
+            "BackboneFinetuning callback: it changes",
+        ),
+        (lambda: ModelPruning("l1_unstructured", amount=0.5), "plain", "ModelPruning callback: it re-registers"),
+        (lambda: StochasticWeightAveraging(swa_lrs=0.01), "batchnorm", "StochasticWeightAveraging callback: with"),
+    ],
+)
+def test_callbacks_whose_work_the_replicas_would_undo_are_refused_before_training(callback, module, match) -> None:
+    class WithBackbone(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = self.net
+
+    class WithBatchNorm(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+    model = {"backbone": WithBackbone, "plain": Classifier, "batchnorm": WithBatchNorm}[module]()
+    started = []
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2, callbacks=[callback()])
+    model.on_train_batch_start = lambda *args: started.append(True)
+    with pytest.raises(ValueError, match=match):
+        fit.fit(model, loader(make_data(num_samples=32)))
+    assert not started
+
+
+def test_stochastic_weight_averaging_without_batch_norm_trains() -> None:
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2),
+        max_epochs=2,
+        callbacks=[StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)],
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=32)))
+    assert fit.global_step == 4  # 2 epochs of 2 steps
+
+
+def test_numpy_numbers_are_accepted_as_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    strategy = CrossbowStrategy(replicas_per_device=np.int64(2), algorithm="sma", alpha=np.float32(0.25))
+    assert strategy.replicas_per_device == 2 and type(strategy.replicas_per_device) is int
+    assert strategy.alpha == 0.25
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(reset_on_lr_drop="no"), "reset_on_lr_drop must be True or False, got 'no'"),
+        (dict(elementwise_optimizers=["MySGD"]), "elementwise_optimizers must list optimizer classes.*got 'MySGD'"),
+        (dict(elementwise_optimizers=[int]), "elementwise_optimizers must list optimizer classes"),
+    ],
+)
+def test_more_bad_arguments_are_named(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        CrossbowStrategy(replicas_per_device=2, **kwargs)
+
+
+def test_one_optimizer_class_alone_may_be_declared_elementwise() -> None:
+    class MySGD(torch.optim.SGD):
+        pass
+
+    assert CrossbowStrategy(elementwise_optimizers=MySGD).elementwise_optimizers == (MySGD,)
+
+
+def test_no_optimizer_is_refused_before_training() -> None:
+    class NoOptimizer(Classifier):
+        def configure_optimizers(self):
+            return None
+
+    with pytest.raises(RuntimeError, match="exactly one optimizer from configure_optimizers, got none"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1).fit(
+            NoOptimizer(), loader(make_data(num_samples=32))
+        )

@@ -353,3 +353,33 @@ def test_the_strategy_bounds_k_by_a_tenth_of_the_batches_per_epoch() -> None:
     fit = trainer(strategy=strategy, max_epochs=1)
     fit.fit(Classifier(), loader(make_data(num_samples=8 * 35)))  # 35 batches of 8
     assert strategy.replicas_fitting_an_epoch() == 3
+
+
+class _KAtBatch(L.Callback):
+    """Records (batch_idx, k) at every batch's start."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append((batch_idx, len(batch)))
+
+
+def test_with_accumulated_gradients_k_changes_right_after_an_optimizer_step(tmp_path) -> None:
+    """accumulate_grad_batches=3 and a window of 4 steps: every window ends between two optimizer steps,
+    and the tuner waits for the next one; the run changes k several times without an error."""
+    seen = _KAtBatch()
+    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=FakeClock())
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1),
+        callbacks=[tuner.clock, tuner, seen],
+        max_steps=12,
+        accumulate_grad_batches=3,
+        max_epochs=-1,
+        default_root_dir=tmp_path,
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=800)))
+    changes = [index for index in range(1, len(seen.seen)) if seen.seen[index][1] != seen.seen[index - 1][1]]
+    assert len(changes) >= 2
+    for index in changes:  # the first batch of an accumulation window, in its epoch
+        assert seen.seen[index][0] % 3 == 0
