@@ -22,7 +22,9 @@ class ChangeReplicas(L.Callback):
         self.at_step, self.new_k = at_step, new_k
         self.group_sizes: list[int] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.group_sizes.append(len(batch))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -31,7 +33,11 @@ class ChangeReplicas(L.Callback):
 
 
 def reference_with_changing_k(
-    net: nn.Module, batches: Sequence[tuple[Tensor, Tensor]], ks_per_epoch: Sequence[Sequence[int]], lr: float, mu: float
+    net: nn.Module,
+    batches: Sequence[tuple[Tensor, Tensor]],
+    ks_per_epoch: Sequence[Sequence[int]],
+    lr: float,
+    mu: float,
 ) -> tuple[list[Tensor], list[list[Tensor]]]:
     """SMA with alpha = 1/k over a schedule of k per step; a new learner is a copy of z whose momentum
     is the mean of the learners' momenta; a shrink drops the last learners."""
@@ -58,7 +64,9 @@ def reference_with_changing_k(
                     learners.append(learner)
                     optimizers.append(optimizer)
             del learners[k:], optimizers[k:]
-            z, z_prev = reference_sma_step(learners, optimizers, batches[position : position + k], z, z_prev, 1.0 / k, mu)
+            z, z_prev = reference_sma_step(
+                learners, optimizers, batches[position : position + k], z, z_prev, 1.0 / k, mu
+            )
             position += k
     return z, [[p.detach() for p in m.parameters()] for m in learners]
 
@@ -89,11 +97,34 @@ def test_changing_k_mid_epoch_keeps_sma_exact(old_k: int, new_k: int, engine: st
             torch.testing.assert_close(stacked[j], learners[j][index], msg=f"replica {j} differs in {name}")
 
 
-def test_changing_k_with_gradient_accumulation_is_refused() -> None:
-    change = ChangeReplicas(at_step=1, new_k=4)
-    fit = trainer(strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2), accumulate_grad_batches=2, callbacks=[change])
-    with pytest.raises(RuntimeError, match="cannot change replicas_per_device with accumulate_grad_batches > 1"):
+class ChangeReplicasAtBatch(ChangeReplicas):
+    """Asks for ``new_k`` at the end of batch ``at_step`` (of the first epoch)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.at_step and trainer.current_epoch == 0:
+            trainer.strategy.set_replicas_per_device(self.new_k)
+
+
+def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
+    change = ChangeReplicasAtBatch(at_step=2, new_k=4)  # batch 2 opens an accumulation window of 2
+    fit = trainer(
+        strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2), accumulate_grad_batches=2, callbacks=[change]
+    )
+    with pytest.raises(RuntimeError, match="cannot change replicas_per_device while gradients are being accumulated"):
         fit.fit(Classifier(), loader(make_data(num_samples=96)))
+
+
+def test_k_changes_with_accumulated_gradients_right_after_an_optimizer_step() -> None:
+    change = ChangeReplicasAtBatch(at_step=1, new_k=4)  # batch 1 closes a window: the optimizer has stepped
+    fit = trainer(
+        strategy=CrossbowStrategy(algorithm="sma", replicas_per_device=2),
+        accumulate_grad_batches=2,
+        callbacks=[change],
+        max_epochs=1,
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=96)))  # 12 batches: 2 groups of 2, then 2 groups of 4
+    assert change.group_sizes == [2, 2, 4, 4]
+    assert fit.global_step == 2
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])
