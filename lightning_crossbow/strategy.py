@@ -70,6 +70,7 @@ from lightning_crossbow.algorithms import (
 from lightning_crossbow.balancing import SpeedBalancer
 from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
 from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup, RoutedBatchLoader, loader_length
+from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
 from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
@@ -227,6 +228,8 @@ class CrossbowStrategy(DDPStrategy):
         self._step_losses: Optional[Tensor] = None
         self._step_skipped: Optional[Tensor] = None  # replicas whose training_step returned None this step
         self._gradients_pending = False  # see `accumulating`
+        self._reads_gradients = False  # whether hooks read the module's gradients (set at set-up)
+        self._mean_gradients: Optional[MeanGradients] = None
         self._last_lrs: Optional[list[float]] = None
         self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
@@ -370,6 +373,8 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device,
         )
         self.engine = self._make_engine(self.replicas_per_device)
+        self._reads_gradients = hooks_read_gradients(module, trainer.callbacks)
+        self._expose_mean_gradients()
         if self.balancer is not None:
             if trainer.accumulate_grad_batches > 1:
                 raise ValueError(
@@ -641,6 +646,7 @@ class CrossbowStrategy(DDPStrategy):
             {id(old_leaves[name]): new for name, new in self.stack.params.items()},
             replicas_per_device,
         )
+        self._expose_mean_gradients()  # on the new stacked leaves
         self.engine = self._make_engine(replicas_per_device, fused_failed=self.engine.fused_failed)
         self.replicas_per_device = replicas_per_device
         self._step_losses = self._step_skipped = None
@@ -728,6 +734,17 @@ class CrossbowStrategy(DDPStrategy):
             self.balancer.sync_done()
         self._measure_throughput()
         return output
+
+    def _expose_mean_gradients(self) -> None:
+        """While the module or a callback reads gradients (its own ``on_after_backward`` or
+        ``on_before_optimizer_step``), the module's parameters carry the replicas' mean gradient
+        (:class:`~lightning_crossbow.gradients.MeanGradients`); nothing is paid otherwise."""
+        assert self.stack is not None
+        if self._mean_gradients is not None:
+            self._mean_gradients.remove()
+        self._mean_gradients = (
+            MeanGradients(self.lightning_module, self.stack.params) if self._reads_gradients else None
+        )
 
     def _wait_for_device(self) -> None:
         """The balancer times this rank's work on the host: on CUDA, wait for the queued kernels first."""
@@ -1012,6 +1029,9 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device = self.tuned_replicas_per_device
             self.routing = None
             self._split = None
+        if self._mean_gradients is not None:
+            self._mean_gradients.remove()
+            self._mean_gradients = None
         self.stack = None
         self.engine = None
         self._step_losses = self._step_skipped = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 
 from lightning_crossbow import CrossbowStrategy
@@ -190,3 +192,66 @@ def test_a_weights_only_checkpoint_holds_no_crossbow_state(tmp_path: Path) -> No
     checkpoint = torch.load(tmp_path / "weights.ckpt", weights_only=False)
     assert "crossbow" not in checkpoint and "optimizer_states" not in checkpoint
     assert set(checkpoint["state_dict"]) == set(Classifier().state_dict())
+
+
+# ----------------------------------------------------------------------- gradients hooks see
+class _GradNormSeen(Classifier):
+    """Reads the module's gradients where plain Lightning users do (``grad_norm`` in on_before_optimizer_step)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.grads: list[list[Tensor]] = []
+        self.norms: list[dict[str, Tensor]] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.grads.append([p.grad.clone() for p in self.parameters()])
+        self.norms.append(grad_norm(self, norm_type=2))
+
+
+class _MeanLossGradientAtZ(L.Callback):
+    """The gradient at z of the mean loss over the step's batches, computed here on a copy of the network."""
+
+    def __init__(self) -> None:
+        self.expected: list[list[Tensor]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        net = copy.deepcopy(pl_module.net)
+        loss = sum(F.cross_entropy(net(x), y) for x, y in batch) / len(batch)
+        self.expected.append(list(torch.autograd.grad(loss, list(net.parameters()))))
+
+
+def test_one_replica_shows_hooks_the_gradients_plain_lightning_shows() -> None:
+    dataset = make_data(num_samples=48)
+    plain, crossbow = _GradNormSeen(), _GradNormSeen()
+    trainer(max_epochs=1).fit(plain, loader(dataset))
+    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=1).fit(crossbow, loader(dataset))
+    for a, b in zip(plain.grads, crossbow.grads, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y)
+    assert plain.norms[-1].keys() == crossbow.norms[-1].keys() and "grad_2.0_norm_total" in crossbow.norms[-1]
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_hooks_see_the_mean_gradient_over_replicas(engine: str) -> None:
+    """With scaled averaging every learner starts at z: the mean gradient is the mean loss's gradient at z."""
+    model, expected = _GradNormSeen(), _MeanLossGradientAtZ()
+    strategy = CrossbowStrategy(replicas_per_device=4, engine=engine)
+    trainer(strategy=strategy, max_epochs=1, callbacks=[expected]).fit(model, loader(make_data(num_samples=64)))
+    assert len(model.grads) == len(expected.expected) == 2
+    for seen, reference in zip(model.grads, expected.expected, strict=True):
+        for x, y in zip(seen, reference, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())  # removed with the hooks when training ends
+
+
+def test_without_hooks_that_read_them_no_gradients_are_formed() -> None:
+    model = Classifier()
+    strategy = CrossbowStrategy(replicas_per_device=2)
+    seen: list[bool] = []
+
+    class AfterStep(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+            seen.append(all(p.grad is None for p in pl_module.parameters()))
+
+    trainer(strategy=strategy, max_epochs=1, callbacks=[AfterStep()]).fit(model, loader(make_data(num_samples=32)))
+    assert seen and all(seen)
