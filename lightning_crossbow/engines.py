@@ -155,7 +155,7 @@ class SequentialEngine(Engine):
         zero = torch.zeros((), device=_device_of(stack))
         detached = torch.stack([zero if skip else next(found) for skip in skipped])
         skipped_rows = torch.tensor(skipped, device=detached.device) if any(skipped) else None
-        return ReplicaStepOutput(total, detached, _mean_extras(extras), returned_dict, skipped_rows)
+        return ReplicaStepOutput(total, detached, _merge_extras(extras), returned_dict, skipped_rows)
 
     def _replica_outputs(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
@@ -280,7 +280,7 @@ class FusedEngine(Engine):
             _prefixed(stack.params), _prefixed(stack.buffers), batch
         )
         capture.add_stacked(recorded, logged)
-        extras = {name: value.detach().float().mean(0) for name, value in extras.items()}
+        extras = _merge_stacked_extras(extras)
         return ReplicaStepOutput(losses.sum(), losses.detach(), extras, returned_dict[0])
 
 
@@ -551,15 +551,33 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
     return tree_unflatten(stacked, spec), tree_unflatten(in_dims, spec)
 
 
-def _mean_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
+def _merge_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
+    """The other entries of the replicas' dict outputs, as ``on_train_batch_end``'s ``outputs`` shows them.
+
+    With one replica, its own entries. Otherwise a floating-point scalar tensor (a metric) is the mean
+    over replicas, as ``self.log`` logs it, and anything else (per-sample predictions, integers,
+    objects) a list with replica j's value at index j, as the step's batch is.
+    """
+    if len(extras) == 1:
+        return dict(extras[0])
     merged: dict[str, Any] = {}
-    for key in extras[0] if extras else ():
+    for key in extras[0]:
         values = [e[key] for e in extras if key in e]
-        if all(isinstance(v, Tensor) for v in values):
-            merged[key] = torch.stack([v.detach().float() for v in values]).mean(0)
+        if all(isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() for v in values):
+            merged[key] = torch.stack([v.detach() for v in values]).mean(0)
         else:
-            merged[key] = values
+            merged[key] = [v.detach() if isinstance(v, Tensor) else v for v in values]
     return merged
+
+
+def _merge_stacked_extras(extras: dict[str, Tensor]) -> dict[str, Any]:
+    """:func:`_merge_extras` for the fused engine's outputs, stacked on a leading replica dim."""
+    return {
+        key: value.detach().mean(0)
+        if value.dim() == 1 and value.is_floating_point()
+        else list(value.detach().unbind(0))
+        for key, value in extras.items()
+    }
 
 
 def _device_of(stack: ReplicaStack) -> torch.device:

@@ -255,3 +255,66 @@ def test_without_hooks_that_read_them_no_gradients_are_formed() -> None:
 
     trainer(strategy=strategy, max_epochs=1, callbacks=[AfterStep()]).fit(model, loader(make_data(num_samples=32)))
     assert seen and all(seen)
+
+
+# --------------------------------------------------------------- a training_step's other outputs
+class _ReturnsDict(Classifier):
+    def __init__(self, with_number: bool = True) -> None:
+        super().__init__()
+        self.with_number = with_number
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        out = {
+            "loss": F.cross_entropy(logits, y),
+            "acc": (logits.argmax(1) == y).float().mean(),
+            "pred": logits.argmax(1),
+        }
+        return {**out, "n": len(y)} if self.with_number else out
+
+
+class _Outputs(L.Callback):
+    def __init__(self) -> None:
+        self.outputs: list[dict[str, Any]] = []
+        self.batches: list[Any] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        group = batch if isinstance(batch[0], (list, tuple)) else [batch]  # crossbow's group, or plain's batch
+        with torch.no_grad():  # every replica starts at z (scaled averaging): its predictions are z's
+            self.batches.append([(pl_module(x).argmax(1), y) for x, y in group])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.outputs.append(outputs)
+
+
+def test_one_replica_hands_callbacks_the_outputs_plain_lightning_hands() -> None:
+    dataset = make_data(num_samples=32)
+    plain, crossbow = _Outputs(), _Outputs()
+    trainer(max_epochs=1, callbacks=[plain]).fit(_ReturnsDict(), loader(dataset))
+    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=1, callbacks=[crossbow]).fit(
+        _ReturnsDict(), loader(dataset)
+    )
+    for a, b in zip(plain.outputs, crossbow.outputs, strict=True):
+        assert a.keys() == b.keys()
+        assert a["n"] == b["n"] == 8
+        assert torch.equal(a["pred"], b["pred"]) and a["pred"].dtype == torch.int64
+        torch.testing.assert_close(a["acc"], b["acc"])
+
+
+@pytest.mark.parametrize(("engine", "with_number"), [("sequential", True), ("fused", False)])
+def test_other_outputs_are_the_mean_for_scalar_metrics_and_per_replica_lists_otherwise(
+    engine: str, with_number: bool
+) -> None:
+    seen = _Outputs()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_epochs=1, callbacks=[seen]).fit(
+        _ReturnsDict(with_number), loader(make_data(num_samples=32))
+    )
+    for outputs, replicas in zip(seen.outputs, seen.batches, strict=True):
+        assert isinstance(outputs["pred"], list) and len(outputs["pred"]) == 2
+        for pred, (expected, _) in zip(outputs["pred"], replicas, strict=True):
+            assert torch.equal(pred, expected)
+        accuracy = sum(float((p == y).float().mean()) for p, y in replicas) / 2
+        assert float(outputs["acc"]) == pytest.approx(accuracy)
+        if with_number:
+            assert outputs["n"] == [8, 8]
