@@ -79,17 +79,23 @@ class ReplicaBatchLoader:
 
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those already made, and those the rest of the loader fills at k now."""
-        return self.groups_yielded + (self._loader_length() - self.batches_taken) // self.num_replicas
+        return self.groups_in(self.batches_per_pass())
+
+    def groups_in(self, batches: int) -> int:
+        """Groups of the current pass within its first ``batches`` batches: those already made, and those the
+        rest of them fills at k now."""
+        return self.groups_yielded + max(0, batches - self.batches_taken) // self.num_replicas
 
     def __len__(self) -> int:
-        return self._loader_length() // self.num_replicas
+        return self.batches_per_pass() // self.num_replicas
 
     def dropped_batches(self) -> int:
         """Batches per epoch that do not fill a last group of ``num_replicas`` and are skipped (0 without a length)."""
         length = loader_length(self.loader)
         return 0 if length is None else length % self.num_replicas
 
-    def _loader_length(self) -> int:
+    def batches_per_pass(self) -> int:
+        """The wrapped loader's batches per pass (``TypeError`` when it has no length)."""
         length = loader_length(self.loader)
         if length is None:
             raise TypeError("The wrapped loader has no length.")

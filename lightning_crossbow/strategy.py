@@ -362,6 +362,7 @@ class CrossbowStrategy(DDPStrategy):
             raise RuntimeError(_ONE_OPTIMIZER.format(count="none (configure_optimizers returned None)"))
         check_elementwise(optimizer, self.elementwise_optimizers)
         _check_callbacks(trainer)
+        _warn_of_step_schedules_under_tuning(trainer)
         self._check_same_config_on_all_ranks()
         module = self.lightning_module
         if self.engine_name == "streams" and self._stream_pool() is None:
@@ -599,13 +600,28 @@ class CrossbowStrategy(DDPStrategy):
         return None if length is None else max(1, length // 10)
 
     def _fit_epoch_length(self, trainer: "pl.Trainer") -> None:
-        """Sets Lightning's count of this epoch's steps (and end-of-epoch validation) to the groups at k now."""
+        """Sets Lightning's counts of this epoch to the groups at k now: its steps (``limit_train_batches`` as
+        Lightning applies it: a fraction of the loader's batches, or a number of steps), the last step the
+        fetcher marks, and the step of a fractional ``val_check_interval``."""
         fit_loop = trainer.fit_loop
-        if self._grouped is None or trainer.limit_train_batches != 1.0 or not math.isfinite(fit_loop.max_batches):
+        if self._grouped is None or not math.isfinite(fit_loop.max_batches):
             return
-        epoch_length = self._grouped.groups_in_pass()
-        if trainer.val_check_batch == fit_loop.max_batches:  # validation at the epoch's end
-            trainer.val_check_batch = epoch_length
+        limit = trainer.limit_train_batches
+        if isinstance(limit, int):
+            epoch_length = min(limit, self._grouped.groups_in_pass())
+        elif limit == 1.0:
+            epoch_length = self._grouped.groups_in_pass()
+        elif self.routing is None:
+            epoch_length = self._grouped.groups_in(int(self._grouped.batches_per_pass() * limit))
+        else:
+            return  # (heterogeneous mode: a fraction of the common order is not supported; Lightning's count stays)
+        interval = trainer.val_check_interval
+        if (
+            isinstance(interval, float)
+            and trainer.val_check_batch is not None
+            and math.isfinite(trainer.val_check_batch)
+        ):
+            trainer.val_check_batch = max(1, int(epoch_length * interval))  # as Lightning sets it at an epoch's start
         fit_loop.max_batches = epoch_length
         # Lightning's fetcher marks the last batch from the length it read when the epoch began.
         fetcher = getattr(fit_loop, "_data_fetcher", None)
@@ -1170,6 +1186,21 @@ def _check_callbacks(trainer: "pl.Trainer") -> None:
             raise ValueError(
                 f"crossbow cannot train with the {type(callback).__name__} callback: {problem}. Remove the callback,"
                 " or train with another strategy."
+            )
+
+
+def _warn_of_step_schedules_under_tuning(trainer: "pl.Trainer") -> None:
+    """A tuned k changes the steps per epoch: a schedule sized in steps no longer fits the run."""
+    if not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
+        return
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == "step":
+            rank_zero_warn(
+                f"crossbow: the learning-rate scheduler {type(config.scheduler).__name__} steps every optimizer step,"
+                " and the ReplicaAutoTuner changes how many steps an epoch has while training runs (k batches"
+                " per step): a schedule sized in steps (such as OneCycleLR's total_steps from"
+                " trainer.estimated_stepping_batches, counted at the starting k) will not end with training."
+                " Use interval='epoch', or a fixed replicas_per_device."
             )
 
 

@@ -164,3 +164,30 @@ def test_out_of_memory_backs_off_and_retries_the_step_losing_no_batch(engine: st
     for index, stacked in enumerate(snapshot.params.values()):
         for j in range(2):
             torch.testing.assert_close(stacked[j], learners[j][index])
+
+
+class _Validations(L.Callback):
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int]] = []  # (epoch, global_step) of every validation
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.at.append((trainer.current_epoch, trainer.global_step))
+
+
+def test_a_fraction_of_the_epoch_and_of_its_validation_interval_follow_a_change_of_k() -> None:
+    """limit_train_batches=0.5 of 64 batches is 32 batches whatever k; val_check_interval=0.5 halves the epoch's steps."""
+    change, validations = ChangeReplicas(at_step=1, new_k=4), _Validations()
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1),
+        callbacks=[change, validations],
+        max_epochs=3,
+        limit_train_batches=0.5,
+        val_check_interval=0.5,
+    )
+    data = loader(make_data(num_samples=512))  # 64 batches
+    fit.fit(Classifier(), data, loader(make_data(num_samples=16)))
+    # epoch 0: 1 group at k=1, then 31 batches make 7 groups of 4; epochs 1 and 2: 8 groups of 4
+    assert change.group_sizes == [1] + [4] * 7 + [4] * 8 * 2
+    assert fit.global_step == 8 + 8 + 8
+    assert validations.at == [(0, 4), (0, 8), (1, 12), (1, 16), (2, 20), (2, 24)]

@@ -383,3 +383,17 @@ def test_with_accumulated_gradients_k_changes_right_after_an_optimizer_step(tmp_
     assert len(changes) >= 2
     for index in changes:  # the first batch of an accumulation window, in its epoch
         assert seen.seen[index][0] % 3 == 0
+
+
+def test_a_schedule_that_steps_every_step_is_warned_of_when_k_is_tuned() -> None:
+    class OneCycle(Classifier):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            total = self.trainer.estimated_stepping_batches
+            schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    with pytest.warns(UserWarning, match="OneCycleLR steps every optimizer step, and the ReplicaAutoTuner"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device="auto"), max_epochs=1).fit(
+            OneCycle(), loader(make_data(num_samples=32))
+        )
