@@ -254,6 +254,19 @@ class FusedEngine(Engine):
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
         self._sequential = SequentialEngine(module)
+        self._autocast_warned = False
+
+    def _warn_if_autocast(self, device: torch.device) -> None:
+        """Mixed precision under vmap is partial: say so once."""
+        if self._autocast_warned or not torch.is_autocast_enabled(device.type):
+            return
+        self._autocast_warned = True
+        warnings.warn(
+            "crossbow: under torch.func.vmap, autocast leaves some operations in float32 (linear layers with a"
+            " bias and convolutions, among others; a PyTorch limitation), so engine='fused' runs mixed precision"
+            " only in part. engine='sequential' (or 'streams' on CUDA) autocasts every operation.",
+            stacklevel=2,
+        )
 
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
@@ -262,6 +275,7 @@ class FusedEngine(Engine):
         if stacked is None:
             return self._sequential.run(stack, batches, args, capture)
         batch, batch_dims = stacked
+        self._warn_if_autocast(_device_of(stack))
         recorded: list[Any] = []
         returned_dict = [False]
 

@@ -369,15 +369,24 @@ def test_accumulate_grad_batches_accumulates_per_replica() -> None:
 class _AutocastProbe(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.autocast_seen = torch.is_autocast_enabled("cpu")
+        self.output_dtype = self(batch[0]).dtype
         return super().training_step(batch, batch_idx)
 
 
 def test_bf16_mixed_autocasts_on_the_cpu() -> None:
     model = _AutocastProbe()
-    trainer(strategy=CrossbowStrategy(replicas_per_device=2), precision="bf16-mixed", max_steps=2).fit(
-        model, loader(make_data())
-    )
-    assert model.autocast_seen and torch.isfinite(next(model.parameters())).all()
+    strategy = CrossbowStrategy(replicas_per_device=2, engine="sequential")
+    trainer(strategy=strategy, precision="bf16-mixed", max_steps=2).fit(model, loader(make_data()))
+    assert model.autocast_seen and model.output_dtype == torch.bfloat16
+    assert torch.isfinite(next(model.parameters())).all()
+
+
+def test_the_fused_engine_says_that_mixed_precision_under_vmap_is_partial() -> None:
+    model = _AutocastProbe()
+    strategy = CrossbowStrategy(replicas_per_device=2, engine="fused")
+    with pytest.warns(UserWarning, match="autocast leaves some operations in float32"):
+        trainer(strategy=strategy, precision="bf16-mixed", max_steps=2).fit(model, loader(make_data()))
+    assert model.autocast_seen
 
 
 def test_callbacks_and_loggers_see_the_central_model(tmp_path) -> None:
