@@ -135,6 +135,9 @@ class Averaging(ABC):
     central_momentum: float
     #: Whether z is not kept during training but formed, when read, as the mean of the learners.
     center_is_learner_mean = False
+    #: Whether every learner starts each step at z (the strategy puts them there before the step, so a
+    #: change that a callback makes to z between steps is what the next step starts from).
+    learners_start_at_center = False
 
     def before_local_step(self, buckets: Sequence[FlatBucket], num_learners: int) -> None:
         """Nothing by default."""
@@ -193,6 +196,9 @@ class EASGD(SMA):
 class ScaledAveraging(Averaging):
     r"""``d_j = opt_step(w_j) - z``, ``z <- z + eta_t (1/K) sum_j d_j + mu (z - z_prev)``, ``w_j <- z``.
 
+    ``w_j <- z`` happens when the next step starts (``learners_start_at_center``): z as the step finds it,
+    after whatever callbacks did to the module's parameters in between.
+
     ``outer_lr`` sets ``eta``:
 
     - ``"adaptive"`` (default): AdaScale's gain ratio (:func:`gain_ratio`), measured on the learners' own
@@ -211,6 +217,8 @@ class ScaledAveraging(Averaging):
     Costs beyond SMA (``"adaptive"``): one squared norm per learner, and two more numbers in the all-reduce
     of the summed steps (one collective per step either way).
     """
+
+    learners_start_at_center = True
 
     def __init__(
         self,
@@ -294,7 +302,7 @@ class ScaledAveraging(Averaging):
             update_center_(
                 bucket.center, bucket.center_prev, correction_sum.mul_(eta / num_learners), self.central_momentum
             )
-            bucket.replicas.copy_(bucket.center.expand_as(bucket.replicas))
+        # (the learners move to z_next when the next step starts: learners_start_at_center)
 
     def state_dict(self) -> dict[str, Any]:
         return {"noise": self.noise, "signal": self.signal, "steps_measured": self.steps_measured, "eta": self.last_eta}

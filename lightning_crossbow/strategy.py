@@ -519,6 +519,8 @@ class CrossbowStrategy(DDPStrategy):
         module = self.lightning_module
         if not self.stack.is_bound():
             self.stack.rebind_(module)
+        if self.averaging.learners_start_at_center and not self._gradients_pending:  # an optimizer step's first batch
+            self.stack.reset_replicas_(module)
         while True:
             try:
                 with self.precision_plugin.train_step_context():
@@ -679,7 +681,7 @@ class CrossbowStrategy(DDPStrategy):
         if self.samples_per_second is not None:
             metrics["crossbow/samples_per_sec"] = self.samples_per_second
         module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-        if isinstance(self.averaging, ScaledAveraging):  # its learners all sit at z between steps
+        if isinstance(self.averaging, ScaledAveraging):  # its learners all start every step at z
             module.log("crossbow/outer_lr", self.averaging.last_eta, on_step=True, on_epoch=False, batch_size=1)
         else:
             module.log(

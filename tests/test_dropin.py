@@ -318,3 +318,24 @@ def test_other_outputs_are_the_mean_for_scalar_metrics_and_per_replica_lists_oth
         assert float(outputs["acc"]) == pytest.approx(accuracy)
         if with_number:
             assert outputs["n"] == [8, 8]
+
+
+# ------------------------------------------------------------- callbacks that change the weights
+class _ClampWeights(L.Callback):
+    """A weight constraint applied between steps, in place (as WGAN's clipping or a max-norm constraint is)."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.clamp_(-0.05, 0.05)
+
+
+def test_a_change_a_callback_makes_to_the_weights_is_where_the_next_step_starts() -> None:
+    dataset = make_data(num_samples=48)
+    plain, crossbow = Classifier(), Classifier()
+    trainer(max_epochs=2, callbacks=[_ClampWeights()]).fit(plain, loader(dataset))
+    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=2, callbacks=[_ClampWeights()]).fit(
+        crossbow, loader(dataset)
+    )
+    for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
