@@ -97,6 +97,8 @@ _ONE_OPTIMIZER = (
 )
 #: Crossbow's central momentum, ``algorithm="sma"``'s default.
 CROSSBOW_CENTRAL_MOMENTUM = 0.9
+#: How far :meth:`CrossbowStrategy.replicas_fitting_an_epoch` looks.
+_MOST_REPLICAS_CHECKED = 4096
 _CHECKPOINT_KEY = "crossbow"
 _CHECKPOINT_VERSION = 1
 
@@ -593,13 +595,18 @@ class CrossbowStrategy(DDPStrategy):
             )
 
     def replicas_fitting_an_epoch(self) -> Optional[int]:
-        """The most replicas per device for which an epoch's skipped batches (those that do not fill a last
-        step, fewer than k) stay under a tenth of it: a tenth of the batches per epoch, at least 1. None
-        when the training loader has no length or the data are routed (heterogeneous mode)."""
+        """The largest k such that no k' <= k leaves more than a tenth of an epoch's batches out of its last,
+        unfilled step (``batches mod k' <= batches / 10``); at least 1. None when the training loader has no
+        length or the data are routed (heterogeneous mode)."""
         if self._grouped is None or self.routing is not None:
             return None
         length = loader_length(self._grouped.loader)
-        return None if length is None else max(1, length // 10)
+        if length is None:
+            return None
+        k = 1
+        while k < min(length, _MOST_REPLICAS_CHECKED) and (length % (k + 1)) * 10 <= length:
+            k += 1
+        return k
 
     def _fit_epoch_length(self, trainer: "pl.Trainer") -> None:
         """Sets Lightning's counts of this epoch to the groups at k now: its steps (``limit_train_batches`` as

@@ -353,8 +353,8 @@ class ReplicaAutoTuner(Callback):
     def _ceiling(self, k: int, strategy: Any) -> int:
         """The largest k allowed: ``max_replicas``, below any k that ran out of memory, such that every
         replica beyond ``k`` (weights, gradients, two optimizer states, corrections) fits twice in the free
-        memory of every rank (measured at the end of the last window), and such that an epoch's last,
-        unfilled step leaves out less than a tenth of its batches
+        memory of every rank (measured at the end of the last window), and such that no k on the way leaves
+        more than a tenth of an epoch's batches out of its last, unfilled step
         (:meth:`~lightning_crossbow.CrossbowStrategy.replicas_fitting_an_epoch`)."""
         ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
         fitting = strategy.replicas_fitting_an_epoch()

@@ -342,17 +342,23 @@ def test_the_progress_objective_weighs_statistical_efficiency(tmp_path) -> None:
 
 @pytest.mark.parametrize("climb", ["linear", "doubling"])
 def test_the_search_keeps_k_where_an_epoch_skips_under_a_tenth_of_its_batches(climb: str) -> None:
-    """With 30 batches per epoch (a ceiling of 3), a throughput that keeps rising never takes k past 3."""
+    """With a ceiling of 3 from the epoch's length, a throughput that keeps rising never takes k past 3."""
     chosen, windows = search(climb, lambda k: 100.0 * k, fitting_an_epoch=3)
     assert chosen == 3
     assert max(windows) == 3
 
 
-def test_the_strategy_bounds_k_by_a_tenth_of_the_batches_per_epoch() -> None:
+@pytest.mark.parametrize(("batches", "ceiling"), [(35, 5), (12, 4), (6, 3), (250, 27), (7, 1)])
+def test_the_strategy_bounds_k_where_an_epoch_would_skip_over_a_tenth_of_its_batches(
+    batches: int, ceiling: int
+) -> None:
     strategy = CrossbowStrategy(replicas_per_device=1)
-    fit = trainer(strategy=strategy, max_epochs=1)
-    fit.fit(Classifier(), loader(make_data(num_samples=8 * 35)))  # 35 batches of 8
-    assert strategy.replicas_fitting_an_epoch() == 3
+    fit = trainer(strategy=strategy, max_epochs=1, limit_train_batches=1)
+    fit.fit(Classifier(), loader(make_data(num_samples=8 * batches)))
+    assert strategy.replicas_fitting_an_epoch() == ceiling
+    for k in range(1, ceiling + 1):  # the rule, written out
+        assert batches % k <= batches / 10
+    assert batches % (ceiling + 1) > batches / 10 or ceiling == batches
 
 
 class _KAtBatch(L.Callback):
