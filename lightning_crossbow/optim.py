@@ -78,6 +78,46 @@ def central_state_dict(optimizer: Optimizer) -> dict[str, Any]:
 
 
 @torch.no_grad()
+def seed_stacked_state_(optimizer: Optimizer, saved: Mapping[str, Any]) -> bool:
+    """Loads ``saved``, a state_dict of the same optimizer over the module's own parameters (as
+    :func:`central_state_dict` writes it, or plain Lightning), or over stacked ones with another number
+    of replicas, into ``optimizer`` over its stacked ``(k, *shape)`` parameters: every replica gets the
+    same state, the saved one (stacked rows: their mean). Hyper-parameters come from ``saved``.
+    Returns False, changing nothing, when the saved parameters do not match (count or shapes)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    saved_groups = saved.get("param_groups", [])
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        return False
+    state: dict[int, dict[str, Any]] = {}
+    for index, param in enumerate(params):
+        entry = saved.get("state", {}).get(index)
+        if entry is None:
+            continue
+        shape, rows = param.shape[1:], param.shape[0]
+        seeded = {}
+        for key, value in entry.items():
+            if (
+                isinstance(value, Tensor)
+                and value.dim() > 0
+                and value.shape[1:] == shape
+                and value.dim() == param.dim()
+            ):
+                value = value.mean(0)  # stacked rows of another k
+            if isinstance(value, Tensor) and value.dim() > 0:
+                if value.shape != shape:
+                    return False
+                value = value.unsqueeze(0).repeat(rows, *([1] * value.dim()))
+            seeded[key] = value
+        state[index] = seeded
+    groups = [
+        {**{k: v for k, v in saved_group.items() if k != "params"}, "params": group_state["params"]}
+        for saved_group, group_state in zip(saved_groups, optimizer.state_dict()["param_groups"])
+    ]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return True
+
+
+@torch.no_grad()
 def resize_stacked_state_(optimizer: Optimizer, new_params: Mapping[int, Tensor], num_replicas: int) -> None:
     """Re-points ``optimizer`` from stacked params to ``new_params[id(old)]`` with ``num_replicas`` rows.
 

@@ -80,6 +80,7 @@ from lightning_crossbow.optim import (
     repoint_to_stack,
     reset_state_rows_,
     resize_stacked_state_,
+    seed_stacked_state_,
 )
 from lightning_crossbow.replicas import ReplicaStack
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split
@@ -1013,8 +1014,10 @@ class CrossbowStrategy(DDPStrategy):
             self._last_lrs = state["last_lrs"]
             self._center_stale = True
             return
-        for group, saved_group in zip(optimizer.param_groups, saved_optimizer["param_groups"], strict=True):
-            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        seeded = seed_stacked_state_(optimizer, saved_optimizer)
+        if not seeded:
+            for group, saved_group in zip(optimizer.param_groups, saved_optimizer["param_groups"], strict=True):
+                group.update({key: value for key, value in saved_group.items() if key != "params"})
         if state is not None:
             self.stack.load_state_dict(state["ranks"][0]["stack"], replicas=False)
             self._last_lrs = state["last_lrs"]
@@ -1023,10 +1026,15 @@ class CrossbowStrategy(DDPStrategy):
             if state is None
             else f"a checkpoint of replicas_per_device={state['replicas_per_device']} x world_size={state['world_size']}"
         )
+        optimizer_state = (
+            "every replica's optimizer state is the checkpoint's (its mean over replicas, if it had several)"
+            if seeded
+            else "their optimizer state starts fresh (it did not match the parameters; learning rates and other"
+            " hyper-parameters were restored)"
+        )
         rank_zero_warn(
             f"crossbow: resuming from {where} with replicas_per_device={self.replicas_per_device} x"
-            f" world_size={self.world_size}: the replicas were re-seeded from the central model and their"
-            " optimizer state starts fresh (learning rates and other hyper-parameters were restored)."
+            f" world_size={self.world_size}: the replicas were re-seeded from the central model and {optimizer_state}."
         )
 
     def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:

@@ -339,3 +339,42 @@ def test_a_change_a_callback_makes_to_the_weights_is_where_the_next_step_starts(
     )
     for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+class _OptimizerStateAtStart(L.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.optimizers[0]
+        self.exp_avg = [optimizer.state[p]["exp_avg"].clone() for g in optimizer.param_groups for p in g["params"]]
+
+
+def test_a_plain_checkpoint_seeds_every_replicas_optimizer_state(tmp_path: Path) -> None:
+    dataset = make_data(num_samples=64)
+    plain = trainer(max_epochs=1)
+    plain.fit(Classifier(optimizer="adam"), loader(dataset))
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    saved = torch.load(tmp_path / "plain.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+
+    seen = _OptimizerStateAtStart()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2, callbacks=[seen])
+    with pytest.warns(UserWarning, match="every replica's optimizer state is the checkpoint's"):
+        fit.fit(Classifier(optimizer="adam"), loader(dataset), ckpt_path=tmp_path / "plain.ckpt")
+    for index, stacked in enumerate(seen.exp_avg):
+        assert stacked.shape[0] == 3
+        for row in stacked:
+            assert torch.equal(row, saved[index]["exp_avg"])
+
+
+def test_a_checkpoint_of_another_k_seeds_every_replica_with_the_mean_state(tmp_path: Path) -> None:
+    dataset = make_data(num_samples=64)
+    first = trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), max_epochs=1)
+    first.fit(Classifier(optimizer="adam"), loader(dataset))
+    first.save_checkpoint(tmp_path / "k2.ckpt")
+    stacked_saved = torch.load(tmp_path / "k2.ckpt", weights_only=False)["crossbow"]["ranks"][0]["optimizer"]["state"]
+
+    seen = _OptimizerStateAtStart()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=4, algorithm="sma"), max_epochs=2, callbacks=[seen])
+    with pytest.warns(UserWarning, match="re-seeded from the central model and every replica's optimizer state"):
+        fit.fit(Classifier(optimizer="adam"), loader(dataset), ckpt_path=tmp_path / "k2.ckpt")
+    for index, stacked in enumerate(seen.exp_avg):
+        for row in stacked:
+            torch.testing.assert_close(row, stacked_saved[index]["exp_avg"].mean(0))
