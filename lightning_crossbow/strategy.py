@@ -682,7 +682,7 @@ class CrossbowStrategy(DDPStrategy):
     def _log_crossbow_metrics(self, module: "pl.LightningModule") -> None:
         """Logs k, samples/s (both on the progress bar) and the replicas' spread at logging steps."""
         trainer = module.trainer
-        if trainer.global_step % max(trainer.log_every_n_steps, 1):
+        if not trainer._logger_connector.should_update_logs:  # Lightning's own schedule (log_every_n_steps)
             return
         assert self.stack is not None
         metrics = {"crossbow/replicas_per_device": float(self.replicas_per_device)}

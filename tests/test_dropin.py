@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 
@@ -378,3 +380,15 @@ def test_a_checkpoint_of_another_k_seeds_every_replica_with_the_mean_state(tmp_p
     for index, stacked in enumerate(seen.exp_avg):
         for row in stacked:
             torch.testing.assert_close(row, stacked_saved[index]["exp_avg"].mean(0))
+
+
+def test_crossbow_metrics_reach_the_logger_at_the_steps_lightning_logs(tmp_path: Path) -> None:
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2, logger=CSVLogger(tmp_path), log_every_n_steps=3
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=128)))  # 8 steps per epoch
+    rows = list(csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    user_steps = {row["step"] for row in rows if row.get("train_loss")}
+    crossbow_steps = {row["step"] for row in rows if row.get("crossbow/replicas_per_device")}
+    assert len(user_steps) == 16 // 3
+    assert crossbow_steps == user_steps
