@@ -1007,6 +1007,12 @@ class CrossbowStrategy(DDPStrategy):
             )
         if state is not None and state.get("algorithm", self.algorithm) == self.algorithm:
             self.averaging.load_state_dict(state.get("averaging", {}))
+        elif state is not None:
+            rank_zero_warn(
+                f"crossbow: the checkpoint was trained with algorithm={state['algorithm']!r} and training goes on"
+                f" with algorithm={self.algorithm!r}: z, the replicas and their optimizer state carry on, and"
+                f" {self.algorithm!r} starts its own state afresh (for scaled averaging, the measured gain)."
+            )
         if same_layout:
             rank_state = state["ranks"][self.global_rank]
             optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))

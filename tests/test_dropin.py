@@ -392,3 +392,15 @@ def test_crossbow_metrics_reach_the_logger_at_the_steps_lightning_logs(tmp_path:
     crossbow_steps = {row["step"] for row in rows if row.get("crossbow/replicas_per_device")}
     assert len(user_steps) == 16 // 3
     assert crossbow_steps == user_steps
+
+
+def test_resuming_with_another_algorithm_says_so(tmp_path: Path) -> None:
+    first = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
+    first.fit(Classifier(), loader(make_data(num_samples=32)))
+    first.save_checkpoint(tmp_path / "scaled.ckpt")
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), max_epochs=2)
+    with pytest.warns(
+        UserWarning, match="trained with algorithm='scaled_averaging' and training goes on with algorithm='sma'"
+    ):
+        fit.fit(Classifier(), loader(make_data(num_samples=32)), ckpt_path=tmp_path / "scaled.ckpt")
+    assert fit.global_step == 4
