@@ -264,7 +264,7 @@ class ScaledAveraging(Averaging):
         """``sum_j K p_j d_j`` per bucket over every process and, for ``"adaptive"``, the statistics of
         :meth:`_local_statistics` over every process. One all-reduce per bucket: the statistics ride in the
         last bucket's when it is float32 or float64 (otherwise they take a 2-element all-reduce of their own)."""
-        adaptive = self.outer_lr == "adaptive"
+        adaptive = self.outer_lr == "adaptive" and step.num_learners > 1  # (one learner: no spread to measure)
         riding = adaptive and buckets[-1].corrections.dtype in (torch.float32, torch.float64)
         local = []
         for bucket in buckets:
@@ -289,8 +289,9 @@ class ScaledAveraging(Averaging):
     ) -> None:
         sums, statistics = self._sum_steps(buckets, step)
         num_learners = step.num_learners
-        if statistics is not None:
-            self._measure(statistics, sums)
+        if self.outer_lr == "adaptive":
+            if statistics is not None:
+                self._measure(statistics, sums)
             target = gain_ratio(self.noise, self.signal, num_learners)  # the averages' common bias cancels
         elif self.outer_lr == "linear":
             adaptive = isinstance(step.optimizer, ADAPTIVE_OPTIMIZERS)

@@ -535,13 +535,15 @@ class CrossbowStrategy(DDPStrategy):
         self._log_crossbow_metrics(module)
         losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
+        # A replica skips the step only if it skipped every batch the step accumulates (None: none skipped).
+        if not self._gradients_pending:
+            self._step_skipped = output.skipped
+        elif self._step_skipped is not None:
+            self._step_skipped = None if output.skipped is None else self._step_skipped & output.skipped
         self._gradients_pending = True
-        # A replica skips the step only if it skipped every batch the step accumulates.
-        skipped = output.skipped if output.skipped is not None else torch.zeros_like(losses, dtype=torch.bool)
-        self._step_skipped = skipped if self._step_skipped is None else self._step_skipped & skipped
         if output.total is None:  # every replica skipped: Lightning skips the backward, as for a plain module
             return None
-        loss = _reported_as_mean(output.total, losses, skipped)
+        loss = _reported_as_mean(output.total, losses, output.skipped)
         return {"loss": loss, **output.extras} if output.returned_dict else loss
 
     # ------------------------------------------------------------------------- changing k
@@ -725,8 +727,6 @@ class CrossbowStrategy(DDPStrategy):
         self._gradients_pending = False
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
-        if skipped is not None and not bool(skipped.any()):
-            skipped = None
         dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
         window_done = False
         if self.balancer is not None:
@@ -1227,14 +1227,14 @@ def _warn_of_step_schedules_under_tuning(trainer: "pl.Trainer") -> None:
             )
 
 
-def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Tensor) -> Tensor:
+def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) -> Tensor:
     """``total``, the sum of the replicas' losses, carrying the value of their mean: the step's loss that
     Lightning hands to hooks and callbacks (``outputs["loss"]``), as plain Lightning hands a batch's loss.
     The gradient is the sum's, unchanged (the added term is a constant): each replica still gets the
-    gradient of its own loss. Replicas that skipped the step are not counted."""
-    stepped = int((~skipped).sum())
-    if stepped == 1 and losses.numel() == 1:
+    gradient of its own loss. Replicas that skipped the step (``skipped``; None: none) are not counted."""
+    if losses.numel() == 1:
         return total
+    stepped = losses.numel() if skipped is None else int((~skipped).sum())
     mean = losses.sum() / stepped
     return total + (mean.to(total.dtype) - total.detach())
 
