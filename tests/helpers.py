@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_crossbow  # noqa: F401  (registers "crossbow")
+from lightning_crossbow import CrossbowStrategy
 
 
 def make_data(num_samples: int = 80, features: int = 6, classes: int = 3, seed: int = 0) -> TensorDataset:
@@ -96,7 +97,9 @@ class ReplicaSnapshot(L.Callback):
 
 
 #: Per process, the batches of one epoch; or a function of the epoch returning them.
-WorldBatches = Union[Sequence[Sequence[tuple[Tensor, Tensor]]], Callable[[int], Sequence[Sequence[tuple[Tensor, Tensor]]]]]
+WorldBatches = Union[
+    Sequence[Sequence[tuple[Tensor, Tensor]]], Callable[[int], Sequence[Sequence[tuple[Tensor, Tensor]]]]
+]
 
 
 def reference_sma(
@@ -255,3 +258,20 @@ class ReferenceGossip:
                     w.copy_((mine + peer) / 2)
             mean = [sum(ws) / count for ws in zip(*(list(m.parameters()) for m in learners))]
         return mean, z
+
+
+def assert_one_replica_is_plain_lightning(
+    make_model: Callable[[], L.LightningModule],
+    dataset: TensorDataset,
+    epochs: int = 2,
+    callbacks: Callable[[], list] = list,
+) -> None:
+    """Trains ``make_model()`` with plain Lightning and with crossbow at k=1 on ``dataset`` (each with its own
+    ``callbacks()``); the two end with the same parameters."""
+    plain, crossbow = make_model(), make_model()
+    trainer(max_epochs=epochs, callbacks=callbacks()).fit(plain, loader(dataset))
+    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=epochs, callbacks=callbacks()).fit(
+        crossbow, loader(dataset)
+    )
+    for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
+        torch.testing.assert_close(a, b)

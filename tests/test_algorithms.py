@@ -16,6 +16,7 @@ from tests.helpers import (
     ReferenceGossip,
     ReferenceScaledAveraging,
     ReplicaSnapshot,
+    assert_one_replica_is_plain_lightning,
     loader,
     make_data,
     make_net,
@@ -82,12 +83,7 @@ def test_scaled_averaging_matches_reference(k: int, optimizer: str, outer_lr, mu
 
 
 def test_one_learner_with_scaled_averaging_is_plain_lightning() -> None:
-    dataset = make_data(num_samples=48)
-    plain, crossbow = Classifier(), Classifier()
-    trainer(max_epochs=2).fit(plain, loader(dataset))
-    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=2).fit(crossbow, loader(dataset))
-    for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
-        torch.testing.assert_close(a, b)
+    assert_one_replica_is_plain_lightning(Classifier, make_data(num_samples=48))
 
 
 def test_easgd_is_sma_without_central_momentum() -> None:

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 
 from lightning_crossbow import CrossbowStrategy
-from tests.helpers import Classifier, loader, make_data, make_net, trainer
+from tests.helpers import Classifier, assert_one_replica_is_plain_lightning, loader, make_data, make_net, trainer
 
 
 # ------------------------------------------------------------------ what hooks and callbacks see
@@ -55,12 +55,7 @@ class _SkipsSecondStep(Classifier):
 
 
 def test_a_step_every_replica_skips_is_skipped_as_in_plain_lightning() -> None:
-    dataset = make_data(num_samples=48)
-    plain, crossbow = _SkipsSecondStep(), _SkipsSecondStep()
-    trainer(max_epochs=2).fit(plain, loader(dataset))
-    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=2).fit(crossbow, loader(dataset))
-    for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
-        torch.testing.assert_close(a, b)
+    assert_one_replica_is_plain_lightning(_SkipsSecondStep, make_data(num_samples=48))
 
 
 class _CenterAt(L.Callback):
@@ -333,14 +328,7 @@ class _ClampWeights(L.Callback):
 
 
 def test_a_change_a_callback_makes_to_the_weights_is_where_the_next_step_starts() -> None:
-    dataset = make_data(num_samples=48)
-    plain, crossbow = Classifier(), Classifier()
-    trainer(max_epochs=2, callbacks=[_ClampWeights()]).fit(plain, loader(dataset))
-    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=2, callbacks=[_ClampWeights()]).fit(
-        crossbow, loader(dataset)
-    )
-    for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
-        torch.testing.assert_close(a, b)
+    assert_one_replica_is_plain_lightning(Classifier, make_data(num_samples=48), callbacks=lambda: [_ClampWeights()])
 
 
 class _OptimizerStateAtStart(L.Callback):
