@@ -239,7 +239,8 @@ class ScaledAveraging(Averaging):
         self.last_eta = 1.0
 
     def _local_statistics(self, buckets: Sequence[FlatBucket], dropped: Optional[Tensor]) -> Tensor:
-        """``(sum_j |d_j|^2, number of learners)`` on this process, in float64 (dropped rows already zeroed)."""
+        """``(sum_j |d_j|^2, number of learners)`` on this process, computed in float64 (dropped rows already
+        zeroed); riding in a float32 bucket's all-reduce they keep float32's 7 significant digits."""
         local = torch.zeros(2, dtype=torch.float64, device=buckets[0].center.device)
         for bucket in buckets:
             flat = bucket.corrections.view(-1)

@@ -278,22 +278,30 @@ class FusedEngine(Engine):
         self._warn_if_autocast(_device_of(stack))
         recorded: list[Any] = []
         returned_dict = [False]
+        skipped_all = [False]
+        device = _device_of(stack)
 
         def one_replica(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Any:
             with capture.recording(self.module) as calls:
                 output = self._training_step(params, buffers, batch, args)
             recorded[:] = calls
             loss, extra, returned_dict[0] = _split_output(output)
-            if loss is None:
-                raise NotFusableError("training_step returned None (a skipped step)")
+            logged = [c.value for c in calls if isinstance(c.value, Tensor)]
+            if loss is None:  # one control flow for every replica under vmap: all of them skip
+                skipped_all[0] = True
+                return torch.zeros((), device=device), {}, logged
             if not all(isinstance(v, Tensor) for v in extra.values()):
                 raise NotFusableError("training_step returned a dict with non-tensor values")
-            return loss, extra, [c.value for c in calls if isinstance(c.value, Tensor)]
+            return loss, extra, logged
 
         losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
             _prefixed(stack.params), _prefixed(stack.buffers), batch
         )
         capture.add_stacked(recorded, logged)
+        if skipped_all[0]:
+            k = stack.num_replicas
+            every = torch.ones(k, dtype=torch.bool, device=device)
+            return ReplicaStepOutput(None, torch.zeros(k, device=device), {}, returned_dict[0], every)
         extras = _merge_stacked_extras(extras)
         return ReplicaStepOutput(losses.sum(), losses.detach(), extras, returned_dict[0])
 
@@ -345,6 +353,8 @@ class AutoEngine(Engine):
             for metric, state in saved_metrics.items():
                 vars(metric).update(state)
             capture.clear()
+            if isinstance(error, torch.cuda.OutOfMemoryError):
+                raise  # not a vmap failure: the strategy backs off one replica (the step left nothing behind)
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             warnings.warn(
                 "crossbow: the training_step cannot run fused under torch.func.vmap"
@@ -569,16 +579,18 @@ def _merge_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
     """The other entries of the replicas' dict outputs, as ``on_train_batch_end``'s ``outputs`` shows them.
 
     With one replica, its own entries. Otherwise a floating-point scalar tensor (a metric) is the mean
-    over replicas, as ``self.log`` logs it, and anything else (per-sample predictions, integers,
-    objects) a list with replica j's value at index j, as the step's batch is.
+    over the replicas that returned it, as ``self.log`` logs it, and anything else (per-sample
+    predictions, integers, objects) a list with replica j's value at index j, as the step's batch is
+    (None for a replica that did not return the entry: it skipped the step).
     """
     if len(extras) == 1:
         return dict(extras[0])
     merged: dict[str, Any] = {}
-    for key in extras[0]:
-        values = [e[key] for e in extras if key in e]
-        if all(isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() for v in values):
-            merged[key] = torch.stack([v.detach() for v in values]).mean(0)
+    for key in dict.fromkeys(key for extra in extras for key in extra):  # every replica's keys, in order
+        values = [extra.get(key) for extra in extras]
+        present = [v for v in values if v is not None]
+        if all(isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() for v in present):
+            merged[key] = torch.stack([v.detach() for v in present]).mean(0)
         else:
             merged[key] = [v.detach() if isinstance(v, Tensor) else v for v in values]
     return merged

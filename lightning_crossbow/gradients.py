@@ -44,17 +44,22 @@ class MeanGradients:
     backward accumulates into it (post-accumulate-grad hooks on the stacked leaves), until :meth:`remove`."""
 
     def __init__(self, module: nn.Module, stacked: Mapping[str, Tensor]) -> None:
-        self._module = module
-        self._names = list(stacked)
+        self._pairs = [(module.get_parameter(name), leaf) for name, leaf in stacked.items()]
         self._handles = [
-            leaf.register_post_accumulate_grad_hook(partial(_set_mean_gradient, module.get_parameter(name)))
-            for name, leaf in stacked.items()
+            leaf.register_post_accumulate_grad_hook(partial(_set_mean_gradient, parameter))
+            for parameter, leaf in self._pairs
         ]
+
+    def refresh(self) -> None:
+        """Sets every mean again from the stacked gradients as they are now (after a gradient scaler
+        unscaled them in place, before ``on_before_optimizer_step``)."""
+        for parameter, leaf in self._pairs:
+            _set_mean_gradient(parameter, leaf)
 
     def remove(self) -> None:
         """Removes the hooks and the module parameters' gradients."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for name in self._names:
-            self._module.get_parameter(name).grad = None
+        for parameter, _ in self._pairs:
+            parameter.grad = None

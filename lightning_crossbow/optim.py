@@ -18,6 +18,17 @@ from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam
 
 from lightning_crossbow.replicas import resize_rows
 
+#: State entries of torch's element-wise optimizers that are one number per parameter tensor, whatever its
+#: shape (Adam's step count, ASGD's eta and mu, NAdam's mu product): never per element, so never per replica.
+SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    """Whether state entry ``key`` is a tensor of one value per element of a parameter of ``shape`` (a
+    0-dim parameter included: then only its key tells it from a count)."""
+    return isinstance(value, Tensor) and key not in SCALAR_STATE_KEYS and value.shape == shape
+
+
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
     SGD,
     Adam,
@@ -69,9 +80,7 @@ def central_state_dict(optimizer: Optimizer) -> dict[str, Any]:
         entry = state_dict["state"].get(index)
         if entry is not None:  # a new dict: the entry is the optimizer's own
             state_dict["state"][index] = {
-                key: value.mean(0)
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
-                else value
+                key: value.mean(0) if _is_per_element(key, value, param.shape) else value
                 for key, value in entry.items()
             }
     return state_dict
@@ -96,14 +105,9 @@ def seed_stacked_state_(optimizer: Optimizer, saved: Mapping[str, Any]) -> bool:
         shape, rows = param.shape[1:], param.shape[0]
         seeded = {}
         for key, value in entry.items():
-            if (
-                isinstance(value, Tensor)
-                and value.dim() > 0
-                and value.shape[1:] == shape
-                and value.dim() == param.dim()
-            ):
-                value = value.mean(0)  # stacked rows of another k
-            if isinstance(value, Tensor) and value.dim() > 0:
+            if isinstance(value, Tensor) and key not in SCALAR_STATE_KEYS:
+                if value.dim() == param.dim() and value.shape[1:] == shape:
+                    value = value.mean(0)  # stacked rows of another k
                 if value.shape != shape:
                     return False
                 value = value.unsqueeze(0).repeat(rows, *([1] * value.dim()))
@@ -143,9 +147,7 @@ def _replace_params(
             state = optimizer.state.pop(old, None)
             if state:
                 optimizer.state[new] = {
-                    key: convert(value)
-                    if isinstance(value, Tensor) and value.dim() > 0 and value.shape == old.shape
-                    else value
+                    key: convert(value) if _is_per_element(key, value, old.shape) else value
                     for key, value in state.items()
                 }
             params.append(new)
@@ -157,8 +159,8 @@ def reset_state_rows_(optimizer: Optimizer, rows: Tensor) -> None:
     """Zeroes the per-replica optimizer state (momentum, moments, ...) of the replicas in ``rows``."""
     for group in optimizer.param_groups:
         for param in group["params"]:
-            for value in optimizer.state.get(param, {}).values():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
+            for key, value in optimizer.state.get(param, {}).items():
+                if _is_per_element(key, value, param.shape):
                     value[rows] = 0
 
 

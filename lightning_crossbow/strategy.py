@@ -82,7 +82,7 @@ from lightning_crossbow.optim import (
     resize_stacked_state_,
     seed_stacked_state_,
 )
-from lightning_crossbow.replicas import ReplicaStack
+from lightning_crossbow.replicas import ReplicaStack, resize_rows
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split
 from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
@@ -379,6 +379,8 @@ class CrossbowStrategy(DDPStrategy):
         self.engine = self._make_engine(self.replicas_per_device)
         self._reads_gradients = hooks_read_gradients(module, trainer.callbacks)
         self._expose_mean_gradients()
+        if self._reads_gradients:
+            self._refresh_mean_gradients_before_hooks()
         if self.balancer is not None:
             if trainer.accumulate_grad_batches > 1:
                 raise ValueError(
@@ -541,8 +543,12 @@ class CrossbowStrategy(DDPStrategy):
         elif self._step_skipped is not None:
             self._step_skipped = None if output.skipped is None else self._step_skipped & output.skipped
         self._gradients_pending = True
-        if output.total is None:  # every replica skipped: Lightning skips the backward, as for a plain module
-            return None
+        if output.total is None:  # every replica skipped
+            if self.world_size == 1:
+                return None  # Lightning skips the backward, as for a plain module
+            # Lightning refuses a skipped step across processes, and the other ranks' averaging waits for this
+            # one: a zero loss, attached to the replicas, gives them zero gradients (the rows are dropped).
+            return sum(leaf.sum() for leaf in self.stack.params.values()) * 0.0
         loss = _reported_as_mean(output.total, losses, output.skipped)
         return {"loss": loss, **output.extras} if output.returned_dict else loss
 
@@ -564,7 +570,7 @@ class CrossbowStrategy(DDPStrategy):
         elif replicas_per_device == (self._grouped.num_replicas if self._grouped else self.replicas_per_device):
             return
         trainer = self._lightning_module._trainer if self._lightning_module is not None else None
-        if self.accumulating:
+        if self.stack is not None and self.accumulating:
             raise RuntimeError(
                 "crossbow cannot change replicas_per_device while gradients are being accumulated"
                 f" (accumulate_grad_batches={trainer.accumulate_grad_batches if trainer else '?'}): the gradients"
@@ -606,6 +612,9 @@ class CrossbowStrategy(DDPStrategy):
         length = loader_length(self._grouped.loader)
         if length is None:
             return None
+        limit = self.lightning_module.trainer.limit_train_batches
+        if isinstance(limit, float):  # (an integer limit counts steps: its epochs never skip batches)
+            length = max(1, int(length * limit))
         k = 1
         while k < min(length, _MOST_REPLICAS_CHECKED) and (length % (k + 1)) * 10 <= length:
             k += 1
@@ -647,8 +656,14 @@ class CrossbowStrategy(DDPStrategy):
         and opens the next group, so no batch is lost. ``replica_ceiling`` keeps the tuner below k.
         One process only: the ranks of a multi-process run must keep the same k.
         """
-        if len(batches) == 1 or self._grouped is None or self.world_size > 1 or self.routing is not None:
-            raise error
+        if (
+            len(batches) == 1
+            or self._grouped is None
+            or self.world_size > 1
+            or self.routing is not None
+            or self.accumulating
+        ):
+            raise error  # (with gradients accumulated for this k, k cannot change before the optimizer steps)
         self._log_capture.clear()
         if self.root_device.type == "cuda":
             torch.cuda.empty_cache()
@@ -674,10 +689,27 @@ class CrossbowStrategy(DDPStrategy):
             {id(old_leaves[name]): new for name, new in self.stack.params.items()},
             replicas_per_device,
         )
+        if self._gradients_pending:
+            # A group Lightning fetched ahead (a loader without a length) kept the old k and opened an
+            # accumulation window: kept replicas keep what they accumulated, new ones start from nothing.
+            with torch.no_grad():
+                for name, leaf in self.stack.params.items():
+                    grad = old_leaves[name].grad
+                    if grad is not None:
+                        leaf.grad = resize_rows(grad, replicas_per_device, fill=torch.zeros_like(grad[0]))
+            if self._step_losses is not None:
+                self._step_losses = resize_rows(
+                    self._step_losses, replicas_per_device, fill=self._step_losses.new_zeros(())
+                )
+            if self._step_skipped is not None:
+                self._step_skipped = resize_rows(
+                    self._step_skipped, replicas_per_device, fill=self._step_skipped.new_zeros(())
+                )
+        else:
+            self._step_losses = self._step_skipped = None
         self._expose_mean_gradients()  # on the new stacked leaves
         self.engine = self._make_engine(replicas_per_device, fused_failed=self.engine.fused_failed)
         self.replicas_per_device = replicas_per_device
-        self._step_losses = self._step_skipped = None
         if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
             rank_zero_info(f"crossbow: replicas_per_device is now {replicas_per_device} (K = {self.num_learners}).")
 
@@ -727,6 +759,9 @@ class CrossbowStrategy(DDPStrategy):
         self._gradients_pending = False
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
+        if skipped is not None and self.world_size == 1 and diverged is None and bool(skipped.all()):
+            self._measure_throughput()  # every learner skipped: nothing moves (not z, nor its momentum)
+            return output
         dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
         window_done = False
         if self.balancer is not None:
@@ -771,6 +806,20 @@ class CrossbowStrategy(DDPStrategy):
         self._mean_gradients = (
             MeanGradients(self.lightning_module, self.stack.params) if self._reads_gradients else None
         )
+
+    def _refresh_mean_gradients_before_hooks(self) -> None:
+        """A gradient scaler unscales the replicas' gradients between backward and ``on_before_optimizer_step``:
+        the precision plugin's ``_after_closure`` (those hooks, then clipping) sets the mean gradients again
+        first (an attribute of this plugin instance, removed at teardown)."""
+        plugin = self.precision_plugin
+        after_closure = type(plugin)._after_closure
+
+        def refreshed_then_after_closure(model: "pl.LightningModule", optimizer: Any) -> None:
+            if self._mean_gradients is not None:
+                self._mean_gradients.refresh()
+            after_closure(plugin, model, optimizer)
+
+        plugin._after_closure = refreshed_then_after_closure  # type: ignore[method-assign]
 
     def _wait_for_device(self) -> None:
         """The balancer times this rank's work on the host: on CUDA, wait for the queued kernels first."""
@@ -962,6 +1011,8 @@ class CrossbowStrategy(DDPStrategy):
 
     def _strategy_state(self) -> dict[str, Any]:
         assert self.stack is not None
+        if self.averaging.learners_start_at_center and not self._gradients_pending:
+            self.stack.reset_replicas_(self.lightning_module)  # where the next step puts them anyway
         local: dict[str, Any] = {
             "stack": self.stack.state_dict(),
             "optimizer": apply_to_collection(self.optimizers[0].state_dict(), Tensor, _cpu_copy),  # stacked
@@ -1074,8 +1125,9 @@ class CrossbowStrategy(DDPStrategy):
         self.stack = None
         self.engine = None
         self._step_losses = self._step_skipped = None
-        if "clip_grad_by_norm" in vars(self.precision_plugin):
-            del self.precision_plugin.clip_grad_by_norm
+        self._gradients_pending = False  # (a fit may stop between two accumulated batches)
+        for patched in ("clip_grad_by_norm", "_after_closure"):
+            vars(self.precision_plugin).pop(patched, None)
         if self._lightning_module is not None:
             vars(self._lightning_module).pop("_on_before_batch_transfer", None)
         super().teardown()

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 
@@ -70,12 +71,15 @@ class _CenterAt(L.Callback):
         self.after[batch_idx] = [p.detach().clone() for p in pl_module.parameters()]
 
 
-@pytest.mark.parametrize(("algorithm", "engine"), [("scaled_averaging", "auto"), ("sma", "sequential")])
+@pytest.mark.parametrize(
+    ("algorithm", "engine"), [("scaled_averaging", "fused"), ("scaled_averaging", "auto"), ("sma", "sequential")]
+)
 def test_a_step_that_every_replica_skips_leaves_z_where_it_was(algorithm: str, engine: str) -> None:
+    """Nothing moves, not even by the central momentum (SMA's default 0.9)."""
     center = _CenterAt()
-    strategy = CrossbowStrategy(replicas_per_device=2, algorithm=algorithm, central_momentum=0.0, engine=engine)
+    strategy = CrossbowStrategy(replicas_per_device=2, algorithm=algorithm, engine=engine)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # auto's fallback: vmap cannot return None
+        warnings.filterwarnings("error", message=".*cannot run fused.*")  # the fused engine skips, no fallback
         trainer(strategy=strategy, max_epochs=1, callbacks=[center]).fit(_SkipsSecondStep(), loader(make_data(64)))
     for before, after in zip(center.before[1], center.after[1], strict=True):
         assert torch.equal(before, after)
@@ -90,8 +94,8 @@ class _SkipsLabelZeroFirst(Classifier):
         return None if int(batch[1][0]) == 0 else super().training_step(batch, batch_idx)
 
 
-def test_a_replica_that_skips_is_left_out_of_the_average() -> None:
-    """Plain averaging (outer lr 1): z moves by the mean step of the replicas that stepped, over all K."""
+def test_a_replica_that_skips_adds_nothing_to_the_average() -> None:
+    """Plain averaging (outer lr 1): z moves by the steps of the replicas that stepped, summed and divided by K."""
     dataset = make_data(num_samples=32)  # 4 batches of 8: one step of k=4
     batches = list(loader(dataset))
     stepped = [j for j, (_, y) in enumerate(batches) if int(y[0]) != 0]
@@ -392,3 +396,78 @@ def test_resuming_with_another_algorithm_says_so(tmp_path: Path) -> None:
     ):
         fit.fit(Classifier(), loader(make_data(num_samples=32)), ckpt_path=tmp_path / "scaled.ckpt")
     assert fit.global_step == 4
+
+
+class _SkipsLabelZeroFirstWithExtras(_SkipsLabelZeroFirst):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if loss is None else {"loss": loss, "pred": self(batch[0]).argmax(1), "acc": torch.tensor(0.5)}
+
+
+def test_a_skipping_replica_has_none_at_its_index_in_the_other_outputs() -> None:
+    seen = _Outputs()
+    batches = list(loader(make_data(num_samples=32)))
+    stepped = [int(y[0]) != 0 for _, y in batches]
+    assert not all(stepped) and any(stepped)
+    trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="sequential"), max_epochs=1, callbacks=[seen]).fit(
+        _SkipsLabelZeroFirstWithExtras(), loader(make_data(num_samples=32))
+    )
+    (outputs,) = seen.outputs
+    assert [p is not None for p in outputs["pred"]] == stepped
+    assert float(outputs["acc"]) == 0.5
+
+
+class _GradsAfterBackward(_GradNormSeen):
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_backward: list[list[Tensor]] = []
+
+    def on_after_backward(self) -> None:
+        self.after_backward.append([p.grad.clone() for p in self.parameters()])
+
+
+def test_with_a_gradient_scaler_hooks_see_scaled_then_unscaled_gradients_as_in_plain_lightning() -> None:
+    """16-mixed: on_after_backward sees the scaled gradients, on_before_optimizer_step the unscaled ones."""
+    dataset = make_data(num_samples=32)
+    plain, crossbow = _GradsAfterBackward(), _GradsAfterBackward()
+
+    def scaled() -> MixedPrecision:  # (Lightning's precision="16-mixed" has no scaler on the CPU)
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(max_epochs=1, plugins=[scaled()]).fit(plain, loader(dataset))
+        trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=1, plugins=[scaled()]).fit(
+            crossbow, loader(dataset)
+        )
+    assert plain.trainer.precision_plugin.scaler is not None
+    for seen in ("after_backward", "grads"):
+        for a, b in zip(getattr(plain, seen), getattr(crossbow, seen), strict=True):
+            for x, y in zip(a, b, strict=True):
+                torch.testing.assert_close(x, y)
+    ratio = plain.after_backward[0][0].norm() / plain.grads[0][0].norm()
+    assert ratio > 100  # the scale: the two hooks really see different gradients
+
+
+class _WithTemperature(Classifier):
+    """A 0-dim parameter (a learned temperature): its optimizer state is 0-dim too, like Adam's step count."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam")
+        self.temperature = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) / self.temperature
+
+
+def test_a_zero_dim_parameter_s_optimizer_state_is_seeded_per_replica(tmp_path: Path) -> None:
+    dataset = make_data(num_samples=64)
+    plain = trainer(max_epochs=1)
+    plain.fit(_WithTemperature(), loader(dataset))
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    seen = _OptimizerStateAtStart()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2, callbacks=[seen])
+    with pytest.warns(UserWarning, match="every replica's optimizer state is the checkpoint's"):
+        fit.fit(_WithTemperature(), loader(dataset), ckpt_path=tmp_path / "plain.ckpt")
+    assert fit.global_step == 8 + 2  # it trained on (8 batches at k=3: 2 steps): the state has a row per replica
+    assert [tuple(t.shape) for t in seen.exp_avg].count((3,)) == 1  # the temperature's, one value per replica

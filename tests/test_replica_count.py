@@ -146,7 +146,7 @@ class RunsOutOfMemoryAbove(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("engine", ["fused", "sequential"])
+@pytest.mark.parametrize("engine", ["fused", "sequential", "auto"])
 def test_out_of_memory_backs_off_and_retries_the_step_losing_no_batch(engine: str) -> None:
     """From k=4 on a device where 2 fit: two back-offs in the first step, then exactly a k=2 run from the start."""
     dataset = make_data(num_samples=96)
@@ -156,6 +156,7 @@ def test_out_of_memory_backs_off_and_retries_the_step_losing_no_batch(engine: st
         trainer(strategy=strategy, max_epochs=2, callbacks=[change, snapshot]).fit(model, loader(dataset))
     assert sum("out of memory" in str(w.message) for w in caught) == 2  # 4 -> 3 -> 2, then it fits
     assert strategy.replicas_per_device == strategy.replica_ceiling == 2
+    assert not any("cannot run fused" in str(w.message) for w in caught)  # out of memory is not a failure to fuse
     assert change.group_sizes == [4] + [2] * 5 + [2] * 6  # the first group ran as 2; its other 2 batches ran next
 
     z, learners = reference_with_changing_k(make_net(), list(loader(dataset)), [[2] * 6, [2] * 6], lr=0.1, mu=0.9)
