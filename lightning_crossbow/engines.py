@@ -49,7 +49,8 @@ class ReplicaStepOutput:
     """What one step of ``k`` replicas returns: ``total`` (the sum of their losses, attached to the graph:
     its backward gives every replica its own gradient; None when every replica skipped the step), each
     replica's loss (detached, shape ``(k,)``; 0 for a skipped replica), the other entries of a dict output
-    (mean over replicas), and which replicas skipped the step (their ``training_step`` returned None)."""
+    (merged over replicas: :func:`_merge_extras`), and which replicas skipped the step (their
+    ``training_step`` returned None; None when none did)."""
 
     total: Optional[Tensor]
     losses: Tensor
@@ -151,10 +152,12 @@ class SequentialEngine(Engine):
             extras.append(extra)
         # One replica: its loss is the total as it is (no stack and sum nodes in the backward graph).
         total = None if not losses else losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        found = iter(loss.detach() for loss in losses)
-        zero = torch.zeros((), device=_device_of(stack))
-        detached = torch.stack([zero if skip else next(found) for skip in skipped])
-        skipped_rows = torch.tensor(skipped, device=detached.device) if any(skipped) else None
+        if not any(skipped):
+            detached = torch.stack([loss.detach() for loss in losses])
+            return ReplicaStepOutput(total, detached, _merge_extras(extras), returned_dict)
+        found, device = iter(loss.detach() for loss in losses), _device_of(stack)
+        detached = torch.stack([torch.zeros((), device=device) if skip else next(found) for skip in skipped])
+        skipped_rows = torch.tensor(skipped, device=device)
         return ReplicaStepOutput(total, detached, _merge_extras(extras), returned_dict, skipped_rows)
 
     def _replica_outputs(
@@ -275,11 +278,11 @@ class FusedEngine(Engine):
         if stacked is None:
             return self._sequential.run(stack, batches, args, capture)
         batch, batch_dims = stacked
-        self._warn_if_autocast(_device_of(stack))
+        device = _device_of(stack)
+        self._warn_if_autocast(device)
         recorded: list[Any] = []
         returned_dict = [False]
         skipped_all = [False]
-        device = _device_of(stack)
 
         def one_replica(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Any:
             with capture.recording(self.module) as calls:
