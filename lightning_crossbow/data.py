@@ -29,6 +29,13 @@ def loader_length(loader: object) -> Optional[int]:
         return None
 
 
+def skips_over_a_tenth(batches: int, group_size: int) -> bool:
+    """Whether groups of ``group_size`` leave more than a tenth of an epoch's ``batches`` out of its last,
+    unfilled group (``batches mod group_size > batches / 10``): the most crossbow accepts without a warning,
+    and the bound of :meth:`~lightning_crossbow.CrossbowStrategy.replicas_fitting_an_epoch`."""
+    return (batches % group_size) * 10 > batches
+
+
 class ReplicaGroup(list):
     """The batches of one step, replica j's at index j. A list, so that Lightning moves it like any batch;
     its own type tells the strategy to apply the module's batch-transfer hooks to each batch alone."""

@@ -326,17 +326,17 @@ class AutoEngine(Engine):
         self.sequential = SequentialEngine(module)
         self.active: Engine = self.fused
         self._metrics = _metrics_of(module)  # walked once: a step only copies their attributes
-        self._saved_buffers: dict[str, Tensor] = {}
+        self._saved_buffers: list[Tensor] = []
 
-    def _save_buffers(self, stack: ReplicaStack) -> dict[str, Tensor]:
-        """Copies the replicas' buffers into tensors kept from step to step (allocated once per shape)."""
-        with torch.no_grad():
-            for name, buffer in stack.buffers.items():
-                saved = self._saved_buffers.get(name)
-                if saved is None or saved.shape != buffer.shape or saved.device != buffer.device:
-                    self._saved_buffers[name] = buffer.clone()
-                else:
-                    saved.copy_(buffer)
+    def _save_buffers(self, stack: ReplicaStack) -> list[Tensor]:
+        """Copies the replicas' buffers, in ``stack.buffers`` order, into tensors kept from step to step: one
+        foreach copy per step (allocated again only when the buffers change, as when k does)."""
+        buffers = list(stack.buffers.values())
+        saved = self._saved_buffers
+        if [(b.shape, b.dtype, b.device) for b in saved] != [(b.shape, b.dtype, b.device) for b in buffers]:
+            self._saved_buffers = [b.detach().clone() for b in buffers]
+        elif buffers:
+            torch._foreach_copy_(saved, buffers)
         return self._saved_buffers
 
     def run(
@@ -350,9 +350,9 @@ class AutoEngine(Engine):
             output = self.fused.run(stack, batches, args, capture)
             _check_no_escaped_metric_state(saved_metrics)
         except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
-            with torch.no_grad():
-                for name in stack.buffers:
-                    stack.buffers[name].copy_(saved_buffers[name])
+            if saved_buffers:
+                with torch.no_grad():
+                    torch._foreach_copy_(list(stack.buffers.values()), saved_buffers)
             for metric, state in saved_metrics.items():
                 vars(metric).update(state)
             capture.clear()
@@ -366,7 +366,7 @@ class AutoEngine(Engine):
                 stacklevel=2,
             )
             self.active = self.sequential
-            self._saved_buffers = {}
+            self._saved_buffers = []
             return self.sequential.run(stack, batches, args, capture)
         return output
 

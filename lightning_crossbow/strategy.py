@@ -69,7 +69,13 @@ from lightning_crossbow.algorithms import (
 )
 from lightning_crossbow.balancing import SpeedBalancer
 from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
-from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup, RoutedBatchLoader, loader_length
+from lightning_crossbow.data import (
+    ReplicaBatchLoader,
+    ReplicaGroup,
+    RoutedBatchLoader,
+    loader_length,
+    skips_over_a_tenth,
+)
 from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
 from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, make_engine
 from lightning_crossbow.log_capture import LogCapture
@@ -596,10 +602,10 @@ class CrossbowStrategy(DDPStrategy):
     def _warn_of_skipped_batches(self) -> None:
         """Warns when k now leaves more than a tenth of every epoch's batches out of its last, unfilled step."""
         assert self._grouped is not None
-        length, dropped = loader_length(self._grouped.loader), self._grouped.dropped_batches()
-        if length is not None and dropped * 10 > length:
+        length, k = loader_length(self._grouped.loader), self._grouped.num_replicas
+        if length is not None and skips_over_a_tenth(length, k):
             rank_zero_warn(
-                f"crossbow: with replicas_per_device={self._grouped.num_replicas} the last {dropped} of the"
+                f"crossbow: with replicas_per_device={k} the last {length % k} of the"
                 f" {length} batches of every epoch do not fill a step and are skipped."
             )
 
@@ -616,7 +622,7 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(limit, float):  # (an integer limit counts steps: its epochs never skip batches)
             length = max(1, int(length * limit))
         k = 1
-        while k < min(length, _MOST_REPLICAS_CHECKED) and (length % (k + 1)) * 10 <= length:
+        while k < min(length, _MOST_REPLICAS_CHECKED) and not skips_over_a_tenth(length, k + 1):
             k += 1
         return k
 
