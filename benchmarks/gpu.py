@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import shlex
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from torch import nn
 
@@ -38,16 +41,32 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 }
 
 
-def measure(strategy: Any, k: int, b: int, model: str, steps: int, warmup: int, device: str) -> dict[str, float]:
-    """samples/s and peak memory (bytes, CUDA only) of one run."""
+class ChosenEngine(L.Callback):
+    """Which engine ``engine="auto"`` kept (read before teardown drops the engine)."""
+
+    chosen: str = ""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.chosen = getattr(getattr(trainer.strategy, "engine", None), "chosen", None) or ""
+
+
+def measure(strategy: Any, k: int, b: int, model: str, steps: int, warmup: int, device: str) -> dict[str, Any]:
+    """samples/s, peak memory (bytes, CUDA only) and, for ``engine="auto"``, the engine kept, of one run."""
     net, shape = MODELS[model]
     if device == "cuda":
         gc.collect()  # the last run's trainer and stacked replicas, so that the peak is this run's alone
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    rate = samples_per_second(strategy, k, b, steps, warmup, net=net, input_shape=shape, accelerator=device)
+    spy = ChosenEngine()
+    try:
+        rate = samples_per_second(
+            strategy, k, b, steps, warmup, net=net, input_shape=shape, accelerator=device, callbacks=(spy,)
+        )
+    except Exception:  # one failing configuration must not cost the rest of a GPU lease
+        traceback.print_exc(limit=-6)
+        return {"samples_per_sec": float("nan"), "peak_bytes": float("nan"), "chosen": "failed"}
     peak = float(torch.cuda.max_memory_allocated()) if device == "cuda" else float("nan")
-    return {"samples_per_sec": rate, "peak_bytes": peak}
+    return {"samples_per_sec": rate, "peak_bytes": peak, "chosen": spy.chosen}
 
 
 def configurations(k: int, b: int, engines: list[str]) -> dict[str, tuple[Callable[[], Any], int, int]]:
@@ -67,24 +86,36 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--ks", type=int, nargs="+", help="replicas per device to measure (overrides the default)")
     parser.add_argument("--bs", type=int, nargs="+", help="per-replica batch sizes to measure (overrides the default)")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 50, or 20 with --quick)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (at least 14: auto's trials)")
     parser.add_argument("--out", type=Path, help="default: benchmarks/out/gpu.json (out/quick/ with --quick)")
+    parser.add_argument("--markdown", type=Path, help="the table (default: benchmarks/GPU.md, full runs on CUDA only)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py measures a CUDA GPU and found none; --device cpu runs it as a smoke test.")
     # 20 warm-up steps: engine="auto" times fused against streams over its first 14 steps.
-    ks, bs, repeats, steps, warmup = (
-        ([1, 4, 16], [16, 64], 1, 20, 20) if args.quick else ([1, 2, 4, 8, 16], [16, 32, 64], 3, 50, 20)
+    ks, bs, repeats, steps = ([1, 4, 16], [16, 64], 1, 20) if args.quick else ([1, 2, 4, 8, 16], [16, 32, 64], 3, 50)
+    repeats, ks, bs, steps, warmup = (
+        args.repeats or repeats,
+        args.ks or ks,
+        args.bs or bs,
+        args.steps or steps,
+        args.warmup,
     )
-    repeats, ks, bs = args.repeats or repeats, args.ks or ks, args.bs or bs
+    quick = args.quick or args.device == "cpu"
+    command = shlex.join(["python", "benchmarks/gpu.py", *sys.argv[1:]])
+    out = args.out or results_dir(quick) / "gpu.json"
+    markdown = args.markdown or (None if quick else Path(__file__).with_name("GPU.md"))
     engines = ["fused", "streams", "sequential", "auto"] if args.device == "cuda" else ["fused", "sequential", "auto"]
     runs: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {}  # model -> "k,b" -> config -> metric -> values
     for model in args.models:
         runs[model] = {}
         for b in bs:
-            plain_b = {"samples_per_sec": [], "peak_bytes": []}
+            plain_b: dict[str, list[Any]] = {"samples_per_sec": [], "peak_bytes": [], "chosen": []}
             for k in ks:
                 runs[model][f"{k},{b}"] = {
-                    name: {"samples_per_sec": [], "peak_bytes": []} for name in configurations(k, b, engines)
+                    name: {"samples_per_sec": [], "peak_bytes": [], "chosen": []}
+                    for name in configurations(k, b, engines)
                 }
             for _ in range(repeats):
                 for key, value in measure("auto", 1, b, model, steps, warmup, args.device).items():
@@ -94,25 +125,24 @@ def main() -> None:
                         result = measure(strategy(), replicas, batch, model, steps, warmup, args.device)
                         for key, value in result.items():
                             runs[model][f"{k},{b}"][name][key].append(value)
-                        print(f"{model} k={k} b={b} {name}: {result['samples_per_sec']:.0f} samples/s", flush=True)
+                        chosen = f" (kept {result['chosen']})" if result["chosen"] else ""
+                        print(
+                            f"{model} k={k} b={b} {name}: {result['samples_per_sec']:.0f} samples/s{chosen}", flush=True
+                        )
             for k in ks:
                 runs[model][f"{k},{b}"]["plain b"] = plain_b
-    table = summarize(runs, ks, bs, engines)
+            # Written after every (model, b): a run cut short (a lease running out) keeps what it measured.
+            save_result(out, command, repeats=repeats, timed_steps=steps, warmup_steps=warmup, runs=runs)
+            table = summarize(runs, ks, bs, engines)
+            if markdown is not None:
+                header = (
+                    f"# Crossbow on one CUDA GPU: {machine()['cuda']}\n\n"
+                    f"`{command}`; median of {repeats} interleaved runs of {steps} timed steps"
+                    f" after {warmup} untimed ones.\n"
+                )
+                markdown.parent.mkdir(parents=True, exist_ok=True)
+                markdown.write_text(header + table + "\n")
     print(table)
-    quick = args.quick or args.device == "cpu"
-    command = (
-        "python benchmarks/gpu.py"
-        + (" --quick" if args.quick else "")
-        + (" --device cpu" if args.device == "cpu" else "")
-    )
-    save_result(args.out or results_dir(quick) / "gpu.json", command, repeats=repeats, timed_steps=steps, runs=runs)
-    if not quick:
-        gpu = machine()["cuda"]
-        header = (
-            f"# Crossbow on one CUDA GPU: {gpu}\n\n"
-            f"`{command}`; median of {repeats} interleaved runs of {steps} timed steps.\n\n"
-        )
-        Path(__file__).with_name("GPU.md").write_text(header + table + "\n")
 
 
 def summarize(runs: dict[str, Any], ks: list[int], bs: list[int], engines: list[str]) -> str:
@@ -123,22 +153,23 @@ def summarize(runs: dict[str, Any], ks: list[int], bs: list[int], engines: list[
     for model, per_kb in runs.items():
         lines += [
             f"\n## {model}: samples/s (median)\n",
-            "| k | b | " + " | ".join(names) + " | best crossbow / plain k*b |",
+            "| k | b | " + " | ".join(names) + " | best crossbow / plain k*b | auto kept |",
         ]
-        lines.append("|" + "---|" * (len(names) + 3))
-        for b in bs:
+        lines.append("|" + "---|" * (len(names) + 4))
+        for b in [b for b in bs if f"{ks[0]},{b}" in per_kb and "plain b" in per_kb[f"{ks[0]},{b}"]]:
             for k in ks:
                 row = per_kb[f"{k},{b}"]
                 rates = {name: median(row[name]["samples_per_sec"]) for name in names}
                 best = max(rates[f"crossbow {engine}"] for engine in engines)
                 cells = " | ".join(f"{rates[name]:.0f}" for name in names)
-                lines.append(f"| {k} | {b} | {cells} | {best / rates['plain k*b']:.2f} |")
+                kept = ", ".join(sorted(set(row.get("crossbow auto", {}).get("chosen", [])))) or "-"
+                lines.append(f"| {k} | {b} | {cells} | {best / rates['plain k*b']:.2f} | {kept} |")
         lines += [f"\n## {model}: GPU memory per replica (MiB; slope of the peak from k={ks[0]} to k={ks[-1]})\n"]
         lines += [
             "| b | " + " | ".join(f"crossbow {engine}" for engine in engines) + " |",
             "|" + "---|" * (len(engines) + 1),
         ]
-        for b in bs:
+        for b in [b for b in bs if f"{ks[0]},{b}" in per_kb and "plain b" in per_kb[f"{ks[0]},{b}"]]:
             cells = []
             for engine in engines:
                 low = median(per_kb[f"{ks[0]},{b}"][f"crossbow {engine}"]["peak_bytes"])

@@ -83,6 +83,7 @@ def samples_per_second(
     net: Optional[Callable[[], torch.nn.Module]] = None,
     input_shape: tuple[int, ...] = (40,),
     accelerator: str = "cpu",
+    callbacks: tuple[L.Callback, ...] = (),
 ) -> float:
     """Trains ``warmup + steps`` steps of ``k`` batches of ``batch_size`` random inputs of ``input_shape``
     (default: the MNIST-1D CNN on MNIST-1D-shaped data); returns measured samples/s."""
@@ -90,7 +91,7 @@ def samples_per_second(
     n = (warmup + steps) * k * batch_size
     data = TensorDataset(torch.randn(n, *input_shape), torch.randint(0, 10, (n,)))
     timer = StepTimer(warmup)
-    trainer = bare_trainer(strategy, accelerator=accelerator, callbacks=[timer])
+    trainer = bare_trainer(strategy, accelerator=accelerator, callbacks=[timer, *callbacks])
     model = Classifier(net() if net is not None else conv1d_net(40, 10), lr=0.01)
     trainer.fit(model, DataLoader(data, batch_size=batch_size))
     return timer.steps * k * batch_size / (timer.end - timer.start)
@@ -125,8 +126,16 @@ def save_result(path: Path, command: str, **fields: Any) -> None:
 def configurations(per_replica_batch: int, k: int) -> dict[str, tuple[Any, int, int]]:
     """name -> (strategy factory, replicas, batch size)."""
     return {
-        f"crossbow k={k} fused b={per_replica_batch}": (lambda: CrossbowStrategy(k, engine="fused"), k, per_replica_batch),
-        f"crossbow k={k} sequential b={per_replica_batch}": (lambda: CrossbowStrategy(k, engine="sequential"), k, per_replica_batch),
+        f"crossbow k={k} fused b={per_replica_batch}": (
+            lambda: CrossbowStrategy(k, engine="fused"),
+            k,
+            per_replica_batch,
+        ),
+        f"crossbow k={k} sequential b={per_replica_batch}": (
+            lambda: CrossbowStrategy(k, engine="sequential"),
+            k,
+            per_replica_batch,
+        ),
         f"plain b={k * per_replica_batch}": (lambda: "auto", 1, k * per_replica_batch),
         f"crossbow k=1 b={per_replica_batch}": (lambda: CrossbowStrategy(1), 1, per_replica_batch),
         f"plain b={per_replica_batch}": (lambda: "auto", 1, per_replica_batch),
@@ -162,17 +171,29 @@ def main() -> None:
         }
         for name, (a, b) in pairs.items()
     }
-    print(f"\nsamples/s, median of {repeats} interleaved runs ({steps} timed steps each), torch {torch.__version__},"
-          f" lightning {L.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(
+        f"\nsamples/s, median of {repeats} interleaved runs ({steps} timed steps each), torch {torch.__version__},"
+        f" lightning {L.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+    )
     for name, value in median.items():
         spread = f"{min(measured[name]):.0f}-{max(measured[name]):.0f}"
         print(f"  {name:<34} {value:>9.0f}   (range {spread})")
     print(f"ratios: {'paired':>45} {'of medians':>11}")
     for name, value in ratios.items():
         print(f"  {name:<48} {value['paired']:.2f} {value['of_medians']:>11.2f}")
-    command = "python benchmarks/throughput.py" + (" --quick" if args.quick else "") + (f" --repeats {args.repeats}" if args.repeats else "")
+    command = (
+        "python benchmarks/throughput.py"
+        + (" --quick" if args.quick else "")
+        + (f" --repeats {args.repeats}" if args.repeats else "")
+    )
     save_result(
-        args.out or results_dir(args.quick) / "throughput.json", command, repeats=repeats, timed_steps=steps, samples_per_sec=measured, median=median, ratios=ratios
+        args.out or results_dir(args.quick) / "throughput.json",
+        command,
+        repeats=repeats,
+        timed_steps=steps,
+        samples_per_sec=measured,
+        median=median,
+        ratios=ratios,
     )
 
 
