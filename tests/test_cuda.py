@@ -63,8 +63,10 @@ def test_every_replica_runs_on_its_own_stream_and_none_on_the_default_stream() -
     model = StreamRecorder()
     cuda_fit("streams", k=4, epochs=1, model=model)
     per_step = [model.streams[i : i + 4] for i in range(0, len(model.streams), 4)]
-    assert len(set(per_step[0])) == 4 and torch.cuda.default_stream().stream_id not in per_step[0]
-    assert all(step == per_step[0] for step in per_step)  # the pool's streams are reused from step to step
+    default = torch.cuda.default_stream().stream_id
+    assert per_step[0] == [default] * 4  # the first step runs one replica after another, watching for metrics
+    assert len(set(per_step[1])) == 4 and default not in per_step[1]
+    assert all(step == per_step[1] for step in per_step[1:])  # the pool's streams are reused from step to step
 
 
 def test_auto_on_cuda_times_fused_against_streams_and_keeps_the_faster() -> None:
