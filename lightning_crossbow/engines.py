@@ -384,6 +384,7 @@ class FastestEngine(Engine):
     wraps around them), between two ``synchronize()`` calls so that queued device work is counted. The
     candidate with the smallest median time (summed over the processes, so that every rank keeps the same)
     wins. On CUDA, ``engine="auto"`` chooses so between fused (falling back to sequential) and streams.
+    Given ``chosen`` (a choice measured before, at the same number of replicas), it measures nothing.
     """
 
     name = "auto"
@@ -397,10 +398,13 @@ class FastestEngine(Engine):
         clock: Callable[[], float] = time.perf_counter,
         synchronize: Callable[[], None] = lambda: None,
         all_reduce_sum: Callable[[Tensor], Tensor] = lambda medians: medians,
+        chosen: Optional[str] = None,
     ) -> None:
         super().__init__(module)
         if not candidates:
             raise ValueError("FastestEngine needs at least one candidate engine.")
+        if chosen is not None and chosen not in candidates:
+            raise ValueError(f"chosen must be one of the candidates {list(candidates)}, got {chosen!r}.")
         self.candidates = dict(candidates)
         self.clock, self.synchronize, self.all_reduce_sum = clock, synchronize, all_reduce_sum
         names = list(self.candidates)
@@ -411,8 +415,8 @@ class FastestEngine(Engine):
         #: Measured seconds per step of each candidate.
         self.seconds: dict[str, list[float]] = {n: [] for n in names}
         #: The name of the candidate kept (None while trials run).
-        self.chosen: Optional[str] = None
-        self.active: Engine = self.candidates[names[0]]
+        self.chosen: Optional[str] = chosen
+        self.active: Engine = self.candidates[chosen or names[0]]
 
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
@@ -473,12 +477,13 @@ def make_engine(
     streams: Optional[StreamPool] = None,
     fused_failed: bool = False,
     all_reduce_sum: Callable[[Tensor], Tensor] = lambda medians: medians,
+    fastest: Optional[str] = None,
 ) -> Engine:
     """The engine called ``name``, for ``num_replicas`` replicas.
 
     ``"auto"`` is fused, falling back to sequential (directly sequential when ``fused_failed``); given a
     CUDA ``streams`` pool it is whichever of that and ``"streams"`` measures faster (:class:`FastestEngine`; the
-    processes agree through ``all_reduce_sum``).
+    processes agree through ``all_reduce_sum``), or ``fastest`` without measuring when that was measured before.
     With one replica ``"auto"``, ``"fused"`` and ``"sequential"`` all loop once (no vmap, nothing to choose).
     """
     if name not in ENGINES:
@@ -499,6 +504,7 @@ def make_engine(
         {"fused": fused, "streams": StreamsEngine(module, streams)},
         synchronize=streams.synchronize,
         all_reduce_sum=all_reduce_sum,
+        chosen=fastest,
     )
 
 

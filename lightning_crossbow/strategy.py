@@ -77,7 +77,7 @@ from lightning_crossbow.data import (
     skips_over_a_tenth,
 )
 from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
-from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, make_engine
+from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, FastestEngine, make_engine
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
     central_state_dict,
@@ -252,6 +252,8 @@ class CrossbowStrategy(DDPStrategy):
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
         self._own_stream_pool: Optional[StreamPool] = None  # when the accelerator is not crossbow's
+        #: engine="auto" on CUDA: the engine measured fastest at each k, so that a k seen before is not measured again.
+        self._fastest_engine: dict[int, str] = {}
         self._engine_trial_step = False
         self._transfer_per_batch = False  # set at set-up: whether the batch-transfer hooks are the user's own
 
@@ -714,6 +716,8 @@ class CrossbowStrategy(DDPStrategy):
         else:
             self._step_losses = self._step_skipped = None
         self._expose_mean_gradients()  # on the new stacked leaves
+        if isinstance(self.engine, FastestEngine) and self.engine.chosen is not None:
+            self._fastest_engine[self.replicas_per_device] = self.engine.chosen
         self.engine = self._make_engine(replicas_per_device, fused_failed=self.engine.fused_failed)
         self.replicas_per_device = replicas_per_device
         if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
@@ -841,6 +845,7 @@ class CrossbowStrategy(DDPStrategy):
             self._stream_pool(),
             fused_failed,
             self._all_reduce_sum,
+            fastest=self._fastest_engine.get(replicas_per_device),
         )
 
     def _stream_pool(self) -> Optional[StreamPool]:

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import lightning as L
 import torch
 import torchmetrics
 from torch import nn
@@ -243,6 +244,36 @@ def test_the_tuner_does_not_measure_while_the_engine_is_timing_its_candidates(mo
     assert tuner.chosen == 2
 
 
+class KSchedule(L.Callback):
+    """Sets k at given steps and records, at every step, k and whether engine="auto" was measuring."""
+
+    def __init__(self, schedule: dict[int, int]) -> None:
+        self.schedule = schedule
+        self.seen: list[tuple[int, bool, Any]] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        self.seen.append((strategy.replicas_per_device, strategy.engine.measuring, strategy.engine.chosen))
+        if trainer.global_step in self.schedule:
+            strategy.set_replicas_per_device(self.schedule[trainer.global_step])
+
+
+def test_auto_measures_each_k_once_and_keeps_its_choice_when_k_returns(monkeypatch) -> None:
+    """k = 2 for 14 trial steps, then 3 (measured anew: the fastest engine can depend on k), then 2 again:
+    the choice made at k=2 is kept without a second measurement."""
+    monkeypatch.setattr(CrossbowStrategy, "_stream_pool", lambda self: HostStreamPool())
+    recorder = KSchedule({16: 3, 32: 2})
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), callbacks=[recorder], max_epochs=-1, max_steps=40)
+    fit.fit(Classifier(), loader(make_data(num_samples=96)))
+    at = {k: [(measuring, chosen) for kk, measuring, chosen in recorder.seen if kk == k] for k in (2, 3)}
+    # (seen at each step's end: the 14th trial step ends with the choice made)
+    first_choice = at[2][13][1]
+    assert [m for m, _ in at[2][:14]] == [True] * 13 + [False] and first_choice in ("fused", "streams")
+    assert [m for m, _ in at[3][:14]] == [True] * 13 + [False]  # k=3 is new: measured
+    back = at[2][16:]  # the steps after k returned to 2
+    assert len(back) == 8 and all(not measuring and chosen == first_choice for measuring, chosen in back)
+
+
 def test_make_engine_without_a_pool_refuses_streams_and_keeps_auto_as_fused_with_fallback() -> None:
     module = Classifier()
     with pytest.raises(ValueError, match="engine='streams' runs every replica on its own CUDA stream"):
@@ -250,3 +281,8 @@ def test_make_engine_without_a_pool_refuses_streams_and_keeps_auto_as_fused_with
     assert type(make_engine("auto", module, 2)).__name__ == "AutoEngine"
     assert type(make_engine("auto", module, 2, fused_failed=True)).__name__ == "SequentialEngine"
     assert type(make_engine("auto", module, 1, HostStreamPool())).__name__ == "SequentialEngine"
+    known = make_engine("auto", module, 2, HostStreamPool(), fastest="streams")
+    assert isinstance(known, FastestEngine) and known.chosen == "streams" and not known.measuring
+    assert isinstance(known.active, StreamsEngine)
+    with pytest.raises(ValueError, match=r"chosen must be one of the candidates \['fused', 'streams'\], got 'vmap'"):
+        make_engine("auto", module, 2, HostStreamPool(), fastest="vmap")
