@@ -164,6 +164,33 @@ def reset_state_rows_(optimizer: Optimizer, rows: Tensor) -> None:
                     value[rows] = 0
 
 
+class HeldRows:
+    """Rows of the stacked parameters and of their per-replica optimizer state, copied before an optimizer
+    step and put back after it: the replicas in ``rows`` do not take the step (momentum and moments stay as
+    they were). State the step creates (an optimizer's first step) is zero in those rows, as for a fresh
+    replica. Shared state (Adam's ``step`` count) is not per replica and moves for all."""
+
+    @torch.no_grad()
+    def __init__(self, optimizer: Optimizer, rows: Tensor) -> None:
+        self.optimizer, self.rows = optimizer, rows
+        self.params = [param for group in optimizer.param_groups for param in group["params"]]
+        self.copies: dict[tuple[int, str], Tensor] = {}
+        for param in self.params:
+            self.copies[(id(param), "")] = param[rows].clone()
+            for key, value in optimizer.state.get(param, {}).items():
+                if _is_per_element(key, value, param.shape):
+                    self.copies[(id(param), key)] = value[rows].clone()
+
+    @torch.no_grad()
+    def restore_(self) -> None:
+        for param in self.params:
+            param[self.rows] = self.copies[(id(param), "")]
+            for key, value in self.optimizer.state.get(param, {}).items():
+                if _is_per_element(key, value, param.shape):
+                    kept = self.copies.get((id(param), key))
+                    value[self.rows] = 0 if kept is None else kept
+
+
 @torch.no_grad()
 def clip_grad_norm_per_replica_(params: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
     """Clips each replica's gradient to total ``norm_type``-norm ``max_norm``; returns the ``(k,)`` norms.

@@ -80,6 +80,7 @@ from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
 from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, FastestEngine, make_engine
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
+    HeldRows,
     central_state_dict,
     check_elementwise,
     clip_grad_norm_per_replica_,
@@ -555,7 +556,7 @@ class CrossbowStrategy(DDPStrategy):
             if self.world_size == 1:
                 return None  # Lightning skips the backward, as for a plain module
             # Lightning refuses a skipped step across processes, and the other ranks' averaging waits for this
-            # one: a zero loss, attached to the replicas, gives them zero gradients (the rows are dropped).
+            # one: a zero loss, attached to the replicas, gives them zero gradients (the rows are held and dropped).
             return sum(leaf.sum() for leaf in self.stack.params.values()) * 0.0
         loss = _reported_as_mean(output.total, losses, output.skipped)
         return {"loss": loss, **output.extras} if output.returned_dict else loss
@@ -754,18 +755,24 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
 
         self._engine_trial_step = self.engine is not None and self.engine.measuring
+        held: Optional[HeldRows] = None
 
         def closure_then_corrections() -> Any:
             # The optimizer runs this before it updates anything: after the replicas' forward and
             # backward (which may have changed k, see _back_off), the weights are still the pre-step w_j.
+            nonlocal held
             with self.engine.timed():  # an engine="auto" that is still measuring times forward and backward
                 result = closure()
+            if self._step_skipped is not None and bool(self._step_skipped.any()):
+                held = HeldRows(optimizer, self._step_skipped)  # replicas that skipped sit the update out
             self.averaging.before_local_step(self.stack.buckets, self.num_learners)
             return result
 
         output = self.precision_plugin.optimizer_step(
             optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
         )
+        if held is not None:
+            held.restore_()
         self._gradients_pending = False
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None

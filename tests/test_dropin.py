@@ -117,6 +117,56 @@ def test_a_replica_that_skips_adds_nothing_to_the_average() -> None:
         torch.testing.assert_close(p.detach(), start + total / 4)
 
 
+class _SecondReplicaSkipsThirdStep(Classifier):
+    """With the sequential engine and k=2, the 6th training_step call is replica 1 of step 2."""
+
+    def __init__(self) -> None:
+        super().__init__()  # SGD with momentum 0.9
+        self.calls = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.calls += 1
+        return None if self.calls == 6 else super().training_step(batch, batch_idx)
+
+
+class _RowsAroundStep(L.Callback):
+    """Replica rows and momentum rows of every stacked parameter, before and after step ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.rows: dict[str, list[tuple[Tensor, Tensor]]] = {}
+
+    def _take(self, trainer: L.Trainer) -> list[tuple[Tensor, Tensor]]:
+        optimizer = trainer.optimizers[0]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return [(p.detach().clone(), optimizer.state[p]["momentum_buffer"].clone()) for p in params]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            self.rows["before"] = self._take(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at + 1:
+            self.rows["after"] = self._take(trainer)
+
+
+@pytest.mark.parametrize("algorithm", ["sma", "gossip"])
+def test_a_replica_that_skips_keeps_its_optimizer_state_and_sits_the_update_out(algorithm: str) -> None:
+    """Plain Lightning does not step the optimizer for a skipped step: the skipping replica's momentum
+    stays as it was (the other replica's moves). With gossip, which does not reset it to z, its weights
+    are its pre-step weights when it mixes: replica 0 ends at (w_0' + w_1) / 2, replica 1 takes w_0'."""
+    rows = _RowsAroundStep(at=2)
+    strategy = CrossbowStrategy(replicas_per_device=2, algorithm=algorithm, engine="sequential")
+    trainer(strategy=strategy, max_epochs=1, callbacks=[rows]).fit(
+        _SecondReplicaSkipsThirdStep(), loader(make_data(64))
+    )
+    for (w_before, m_before), (w_after, m_after) in zip(rows.rows["before"], rows.rows["after"], strict=True):
+        assert torch.equal(m_after[1], m_before[1])
+        assert not torch.equal(m_after[0], m_before[0])
+        if algorithm == "gossip":
+            torch.testing.assert_close(2 * w_after[0] - w_after[1], w_before[1])
+
+
 class _ItemAtThirdStep(Classifier):
     """Code vmap cannot run (``.item()``), but only from the third step on."""
 
