@@ -215,7 +215,7 @@ class ScaledAveraging(Averaging):
 
     ``eta_t`` also warms up linearly from 1 over the first ``warmup_epochs`` (:func:`warmed_up`; 0: none).
     Costs beyond SMA (``"adaptive"``): one squared norm per learner, and two more numbers in the all-reduce
-    of the summed steps (one collective per step either way).
+    of a float32 or float64 bucket's summed steps (an all-reduce of their own only when every bucket is 16-bit).
     """
 
     learners_start_at_center = True
@@ -264,23 +264,24 @@ class ScaledAveraging(Averaging):
     def _sum_steps(self, buckets: Sequence[FlatBucket], step: StepContext) -> tuple[list[Tensor], Optional[Tensor]]:
         """``sum_j K p_j d_j`` per bucket over every process and, for ``"adaptive"``, the statistics of
         :meth:`_local_statistics` over every process. One all-reduce per bucket: the statistics ride in the
-        last bucket's when it is float32 or float64 (otherwise they take a 2-element all-reduce of their own)."""
+        first float32 or float64 bucket's (a 2-element all-reduce of their own only when every bucket is 16-bit)."""
         adaptive = self.outer_lr == "adaptive" and step.num_learners > 1  # (one learner: no spread to measure)
-        riding = adaptive and buckets[-1].corrections.dtype in (torch.float32, torch.float64)
+        wide = [i for i, b in enumerate(buckets) if b.corrections.dtype in (torch.float32, torch.float64)]
+        rider = wide[0] if adaptive and wide else None
         local = []
-        for bucket in buckets:
+        for i, bucket in enumerate(buckets):
             torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
-            spare = 2 if riding and bucket is buckets[-1] else 0
+            spare = 2 if i == rider else 0
             local.append(local_correction_sum(bucket, step.dropped, step.learner_weights, spare))
         if not adaptive:
             return [step.all_reduce_sum(total) for total in local], None
         statistics = self._local_statistics(buckets, step.dropped)
-        if not riding:
+        if rider is None:
             return [step.all_reduce_sum(total) for total in local], step.all_reduce_sum(statistics)
-        local[-1][-2:] = statistics
+        local[rider][-2:] = statistics
         sums = [step.all_reduce_sum(total) for total in local]
-        statistics = sums[-1][-2:].double()
-        sums[-1] = sums[-1][:-2]
+        statistics = sums[rider][-2:].double()
+        sums[rider] = sums[rider][:-2]
         return sums, statistics
 
     def after_local_step(
@@ -328,8 +329,10 @@ class Gossip(Averaging):
     moves exactly as if they were averaged, but no process waits for all others; across processes a
     step sends and receives point to point (:func:`~lightning_crossbow.collectives.pull_rows`),
     never all-reduces. z is therefore only formed (one all-reduce) at every epoch's end and when read
-    (validation, checkpoints, test, predict): ``center_is_learner_mean``. With ``K = 1`` a learner has no peer and trains alone. A
-    learner whose step diverged takes its peer's weights, and no learner mixes in a diverged peer.
+    (validation, checkpoints, test, predict): ``center_is_learner_mean``. With ``K = 1`` a learner has no peer and
+    trains alone. A learner left out of the step (diverged, or its ``training_step`` skipped) takes its peer's
+    weights, and no learner mixes in a peer whose weights are not finite (as a diverged step leaves them). A
+    learner that skipped keeps its pre-step weights, finite, so its peer mixes them in as they are.
     """
 
     central_momentum = 0.0

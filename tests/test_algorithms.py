@@ -215,3 +215,44 @@ def test_adaptive_scaled_averaging_sums_steps_and_statistics_in_one_all_reduce(
     assert rule.last_eta == pytest.approx(eta, rel=tolerance["rtol"])
     expected_center = center.to(dtype).double() + eta / (2 * k) * 2 * bucket_steps.sum(0)
     torch.testing.assert_close(bucket.center.double(), expected_center, **tolerance)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_the_statistics_ride_in_a_wide_bucket_wherever_it_sits(dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+    """Mixed-precision parameters make a float32 and a bf16 bucket: one all-reduce per bucket, whichever comes
+    last, and the statistics still count the learners of both processes (``K = 2k``: a gain is measured)."""
+    k, n = 3, 5
+    generator = torch.Generator().manual_seed(0)
+    buckets = []
+    for dtype in dtypes:
+        center = torch.randn(n, generator=generator)
+        steps = torch.randn(k, n, generator=generator) * 0.1 + 0.05
+        buckets.append(
+            FlatBucket(
+                names=["w"],
+                shapes=[torch.Size([n])],
+                offsets=[0],
+                center=center.to(dtype),
+                center_prev=center.to(dtype),
+                replicas=(center + steps).to(dtype),
+                corrections=torch.empty(k, n, dtype=dtype),
+            )
+        )
+    calls: list[torch.dtype] = []
+
+    def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:  # two processes with the same learners
+        calls.append(tensor.dtype)
+        return tensor.mul_(2)
+
+    rule = ScaledAveraging(smoothing=0.0)
+    context = StepContext(
+        num_learners=2 * k,
+        step=0,
+        epochs_done=0.1,
+        optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+        all_reduce_sum=all_reduce_sum,
+        pull_rows=lambda rows, shift: rows,
+    )
+    rule.after_local_step(buckets, context)
+    assert sorted(calls, key=str) == sorted(dtypes, key=str)  # one per bucket, none for the statistics alone
+    assert rule.steps_measured == 1 and 1.0 <= rule.last_eta <= 2 * k
