@@ -44,7 +44,7 @@ class CrossbowAccelerator(Accelerator):
     def __init__(self, device_type: Optional[str] = None) -> None:
         super().__init__()
         if device_type is None:
-            device_type = "cuda" if CUDAAccelerator.is_available() else "cpu"
+            device_type = "cuda" if _base_class() is CUDAAccelerator else "cpu"
         if device_type not in ("cuda", "cpu"):
             raise ValueError(f"CrossbowAccelerator device_type must be 'cuda' or 'cpu', got {device_type!r}.")
         self.device_type = device_type
@@ -73,7 +73,8 @@ class CrossbowAccelerator(Accelerator):
 
     @override
     def get_device_stats(self, device: Union[str, torch.device]) -> dict[str, Any]:
-        stats = device_memory(torch.device(device))
+        """Lightning's own statistics of the device, with its memory used and free and crossbow's samples/s."""
+        stats = {**self._base.get_device_stats(device), **device_memory(torch.device(device))}
         if self.samples_per_second is not None:
             stats["crossbow/samples_per_sec"] = self.samples_per_second
         return stats
@@ -99,6 +100,7 @@ class CrossbowAccelerator(Accelerator):
         return True
 
     @staticmethod
+    @override
     def name() -> str:
         return "crossbow"
 

@@ -162,6 +162,12 @@ class ReplicaStack:
 
     # ------------------------------------------------------------------------------- updates
     @torch.no_grad()
+    def gather_replicas_at_their_mean_(self) -> None:
+        """Sets every local replica's parameters to the local replicas' mean."""
+        for bucket in self.buckets:
+            bucket.replicas.copy_(bucket.replicas.mean(0, keepdim=True).expand_as(bucket.replicas))
+
+    @torch.no_grad()
     def reset_replicas_(self, module: nn.Module, rows: Optional[Tensor] = None, buffers: bool = False) -> None:
         """Sets replicas ``rows`` (a bool mask; all when None) to z, and their buffers to z's if asked."""
         for bucket in self.buckets:

@@ -20,7 +20,7 @@ import os
 import time
 import warnings
 from types import MethodType
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from contextlib import nullcontext
 from typing import Any, ContextManager, Literal, Optional, Union
@@ -412,25 +412,31 @@ class CrossbowStrategy(DDPStrategy):
         self._final_state = None
 
     def _check_same_config_on_all_ranks(self) -> None:
-        config = (
-            self.replicas_per_device,
-            self.algorithm,
-            self._alpha,
-            self.central_momentum,
-            self.outer_lr,
-            self.warmup_epochs,
-            self.engine_name,
-            None if self.balancer is None else (self.balancer.every, self.balancer.min_gain, self.balancer.remember),
-        )
+        config = {
+            "replicas_per_device": self.replicas_per_device,
+            "algorithm": self.algorithm,
+            "alpha": self._alpha,
+            "central_momentum": self.central_momentum,
+            "outer_lr": self.outer_lr,
+            "warmup_epochs": self.warmup_epochs,
+            "engine": self.engine_name,
+            "reset_on_lr_drop": self.reset_on_lr_drop,
+            "heterogeneous": None
+            if self.balancer is None
+            else (self.balancer.every, self.balancer.min_gain, self.balancer.remember),
+        }
         configs = [config]
         if self.world_size > 1:
             configs = [None] * self.world_size
             torch.distributed.all_gather_object(configs, config)
-        if any(c != config for c in configs):
+        differing = [key for key in config if any(c[key] != config[key] for c in configs)]
+        if differing:
+            per_rank = "; ".join(
+                f"rank {r}: " + ", ".join(f"{k}={c[k]!r}" for k in differing) for r, c in enumerate(configs)
+            )
             raise RuntimeError(
-                "crossbow: the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, outer_lr,"
-                " warmup_epochs, engine, heterogeneous (None or the balancer's every, min_gain, remember)):"
-                f" {configs}. Every process must be configured the same."
+                f"crossbow: the processes disagree on {', '.join(differing)} ({per_rank}). Every process must"
+                " construct CrossbowStrategy with the same arguments."
             )
 
     def _clip_grad_by_norm_per_replica(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -515,12 +521,16 @@ class CrossbowStrategy(DDPStrategy):
         if (
             self._last_lrs is not None
             and self.reset_on_lr_drop
-            and any(new <= LR_DROP_RATIO * old for new, old in zip(lrs, self._last_lrs))
+            and not self.averaging.learners_start_at_center  # (they are at z already)
+            and lr_dropped(lrs, self._last_lrs)
         ):
             assert self.stack is not None
             if self.averaging.center_is_learner_mean:
-                self.sync_center()  # z is formed now (every rank sees the same drop at the same step)
-            self.stack.reset_replicas_(self.lightning_module)
+                # Gossip keeps no z while training: the learners meet at their mean on this process. No collective,
+                # so a drop that one process alone sees (a per-rank plateau metric) cannot leave the others waiting.
+                self.stack.gather_replicas_at_their_mean_()
+            else:
+                self.stack.reset_replicas_(self.lightning_module)
             rank_zero_info(f"crossbow: learning rate dropped to {lrs}; every replica reset to the central model.")
         self._last_lrs = lrs
 
@@ -1295,6 +1305,12 @@ def _warn_of_step_schedules_under_tuning(trainer: "pl.Trainer") -> None:
                 " trainer.estimated_stepping_batches, counted at the starting k) will not end with training."
                 " Use interval='epoch', or a fixed replicas_per_device."
             )
+
+
+def lr_dropped(lrs: Sequence[float], last_lrs: Sequence[float]) -> bool:
+    """Whether a param group's learning rate fell to at most ``LR_DROP_RATIO`` of its last value (an lr held at 0
+    is no drop)."""
+    return any(new < old and new <= LR_DROP_RATIO * old for new, old in zip(lrs, last_lrs))
 
 
 def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) -> Tensor:

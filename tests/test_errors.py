@@ -152,6 +152,16 @@ def test_strategy_and_accelerator_names_are_registered() -> None:
     assert t.strategy.root_device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_the_accelerators_device_stats_add_to_lightnings_own() -> None:
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    accelerator = CrossbowAccelerator("cpu")
+    accelerator.samples_per_second = 123.0
+    stats = accelerator.get_device_stats("cpu")
+    assert set(CPUAccelerator().get_device_stats("cpu")) < set(stats)  # cpu_percent, ... are kept
+    assert stats["memory_free_bytes"] > 0 and stats["crossbow/samples_per_sec"] == 123.0
+
+
 @pytest.mark.parametrize(
     ("callback", "module", "match"),
     [

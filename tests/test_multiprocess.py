@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from tests.helpers import ReferenceGossip, ReferenceScaledAveraging, make_data, make_net, make_optimizer, reference_run, reference_sma
+from tests.helpers import (
+    ReferenceGossip,
+    ReferenceScaledAveraging,
+    make_data,
+    make_net,
+    make_optimizer,
+    reference_run,
+    reference_sma,
+)
 
 SCRIPT = Path(__file__).with_name("multiprocess_script.py")
 
@@ -104,7 +112,13 @@ def test_gossip_on_two_processes_matches_the_reference_over_all_learners(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     z, learners = reference_run(
-        make_net(), [], k, epochs, lambda p: make_optimizer("sgd", p, 0.1), ReferenceGossip(), world_batches=_per_rank_batches()
+        make_net(),
+        [],
+        k,
+        epochs,
+        lambda p: make_optimizer("sgd", p, 0.1),
+        ReferenceGossip(),
+        world_batches=_per_rank_batches(),
     )
     for rank in range(2):
         for actual, expected in zip(ranks[rank]["z"], z, strict=True):
@@ -171,6 +185,6 @@ def test_ranks_with_different_configurations_fail_with_a_clear_error(tmp_path: P
     result = _run(tmp_path, "popen", "2", "--mismatch")
     assert result.returncode != 0
     assert (
-        "the ranks disagree on (replicas_per_device, algorithm, alpha, central_momentum, outer_lr, warmup_epochs, engine,"
-        " heterogeneous (None or the balancer's every, min_gain, remember))" in result.stderr
-    )
+        "crossbow: the processes disagree on replicas_per_device (rank 0: replicas_per_device=2; rank 1:"
+        " replicas_per_device=3). Every process must construct CrossbowStrategy with the same arguments."
+    ) in result.stderr
