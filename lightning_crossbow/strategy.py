@@ -747,6 +747,8 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(self.averaging, ScaledAveraging):  # its learners all start every step at z
             module.log("crossbow/outer_lr", self.averaging.last_eta, on_step=True, on_epoch=False, batch_size=1)
         else:
+            if self.averaging.center_is_learner_mean:
+                self.sync_center()  # gossip keeps no z while training: form it (a logging step is every rank's)
             module.log(
                 "crossbow/replica_divergence", self.stack.divergence(), on_step=True, on_epoch=False, batch_size=1
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -256,3 +257,31 @@ def test_the_statistics_ride_in_a_wide_bucket_wherever_it_sits(dtypes: tuple[tor
     rule.after_local_step(buckets, context)
     assert sorted(calls, key=str) == sorted(dtypes, key=str)  # one per bucket, none for the statistics alone
     assert rule.steps_measured == 1 and 1.0 <= rule.last_eta <= 2 * k
+
+
+class _DivergenceSeen(L.Callback):
+    """The replicas' spread around their mean before each step, and what crossbow logged in that step."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[float, float]] = []
+        self._truth = 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        rows = torch.cat([b.replicas for b in trainer.strategy.stack.buckets], dim=1)
+        mean = rows.mean(0)
+        self._truth = float(((rows - mean).norm(dim=1) / mean.norm()).mean())
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.pairs.append((self._truth, float(trainer.callback_metrics["crossbow/replica_divergence"])))
+
+
+def test_gossip_logs_the_divergence_from_the_learners_mean() -> None:
+    """Gossip keeps no z while training: the logged spread is measured from the learners' mean, formed then."""
+    seen = _DivergenceSeen()
+    strategy = CrossbowStrategy(replicas_per_device=3, algorithm="gossip", engine="sequential")
+    trainer(strategy=strategy, max_epochs=1, callbacks=[seen], log_every_n_steps=1).fit(
+        Classifier(), loader(make_data(num_samples=96))
+    )
+    assert len(seen.pairs) == 4 and seen.pairs[-1][0] > 0
+    for truth, logged in seen.pairs:
+        assert logged == pytest.approx(truth, rel=1e-5, abs=1e-7)
