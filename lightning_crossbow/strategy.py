@@ -352,6 +352,12 @@ class CrossbowStrategy(DDPStrategy):
                 " manual optimization the training_step steps the optimizer itself, so crossbow cannot run it"
                 " once per replica nor apply the model averaging after every replica's step."
             )
+        if self._layer_sync is not None:
+            raise ValueError(
+                "crossbow does not support Trainer(sync_batchnorm=True): each replica keeps its own BatchNorm"
+                " statistics and z gets their mean over every replica of every process, so there is nothing to"
+                " synchronise during the forward. Leave sync_batchnorm=False."
+            )
         try:
             # The base Strategy's set-up: DDPStrategy's would wrap the module in DistributedDataParallel.
             Strategy.setup(self, trainer)
