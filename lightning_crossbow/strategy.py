@@ -308,10 +308,9 @@ class CrossbowStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if self.auto_replicas and not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
             trainer.callbacks.append(ReplicaAutoTuner())
-        if self.world_size == 1 or self.balancer is not None:
+        if self.world_size == 1:
             # One process: keep the user's DataLoader and sampler exactly as they are (Lightning would otherwise
-            # inject a shuffling DistributedSampler because this is a DDPStrategy). Heterogeneous mode routes the
-            # data itself (process_dataloader).
+            # inject a shuffling DistributedSampler because this is a DDPStrategy).
             trainer._accelerator_connector.use_distributed_sampler = False
         if type(self.accelerator) in (CPUAccelerator, CUDAAccelerator):
             self.accelerator = CrossbowAccelerator(self.root_device.type)
@@ -482,7 +481,12 @@ class CrossbowStrategy(DDPStrategy):
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
         assert self.routing is not None
         problem = _unroutable(dataloader)
-        seed = int(os.getenv("PL_GLOBAL_SEED", 0))  # the seed Lightning's own DistributedSampler takes
+        sampler = getattr(dataloader, "sampler", None)
+        # On several processes Lightning has put its DistributedSampler in (it still splits the evaluation loaders):
+        # its shuffle and seed are the user's, and the order is drawn anew below over the whole dataset.
+        injected = type(sampler) is DistributedSampler
+        seed = sampler.seed if injected else int(os.getenv("PL_GLOBAL_SEED", 0))  # (the seed Lightning's takes)
+        shuffle = sampler.shuffle if injected else isinstance(sampler, RandomSampler)
         length = len(dataloader.dataset) if problem is None else None  # type: ignore[attr-defined]
         ranks = [(problem, length, seed)]
         if self.world_size > 1:  # every rank learns of any rank's problem: none is left waiting in a collective
@@ -501,9 +505,7 @@ class CrossbowStrategy(DDPStrategy):
                 f"{[(n, r) for _, n, r in ranks]}."
             )
         assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
-        order = DistributedSampler(
-            dataloader.dataset, num_replicas=1, rank=0, shuffle=isinstance(dataloader.sampler, RandomSampler), seed=seed
-        )
+        order = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
         routed = RoutedSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
         return RoutedBatchLoader(_update_dataloader(dataloader, routed, mode=RunningStage.TRAINING), routed)
 
@@ -1259,7 +1261,7 @@ def _unroutable(dataloader: object) -> Optional[str]:
     if isinstance(dataloader.dataset, IterableDataset):
         return "a map-style dataset (an IterableDataset has no order to share out)"
     sampler = dataloader.sampler
-    if type(sampler) not in (RandomSampler, SequentialSampler):
+    if type(sampler) not in (RandomSampler, SequentialSampler, DistributedSampler):  # (Lightning's injected one)
         return f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(sampler).__name__}"
     if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(dataloader.dataset)):
         return (

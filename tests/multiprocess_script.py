@@ -39,9 +39,11 @@ class Unsharded(L.LightningDataModule):
     """The whole dataset on every rank: Lightning's DistributedSampler shards (and shuffles) it, as with DDP;
     in heterogeneous mode crossbow routes it."""
 
-    def __init__(self, num_samples: int = 96) -> None:
+    def __init__(self, num_samples: int = 96, validate: bool = False) -> None:
         super().__init__()
         self.num_samples = num_samples
+        if validate:  # 8 validation batches, which the ranks share as in plain Lightning
+            self.val_dataloader = lambda: DataLoader(make_data(num_samples=64, seed=1), batch_size=8)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(make_data(num_samples=self.num_samples), batch_size=8)
@@ -63,7 +65,9 @@ class SimulatedDeviceSpeed(L.Callback):
     def __init__(self, clock: VirtualClock, seconds_per_learner: float) -> None:
         self.clock, self.seconds_per_learner = clock, seconds_per_learner
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
+    ) -> None:
         self.clock.now += self.seconds_per_learner * len(batch)  # type: ignore[arg-type]
 
 
@@ -83,8 +87,14 @@ class SaveFinalState(L.Callback):
         self.out = out
         self.group_sizes: list[int] = []
         self.seen: list[list[torch.Tensor]] = []  # per epoch, the inputs this rank trained on
+        self.validation_batches = 0  # outside the sanity check
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        self.validation_batches += not trainer.sanity_checking
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
+    ) -> None:
         self.group_sizes.append(len(batch))  # type: ignore[arg-type]
         while len(self.seen) <= trainer.current_epoch:
             self.seen.append([])
@@ -102,6 +112,7 @@ class SaveFinalState(L.Callback):
                 "global_step": trainer.global_step,
                 "seen": [torch.cat(inputs) if inputs else torch.empty(0) for inputs in self.seen],
                 "splits": strategy.balancer.history if strategy.balancer is not None else None,
+                "validation_batches": self.validation_batches,
             },
             self.out / f"rank{trainer.global_rank}.pt",
         )
@@ -129,6 +140,7 @@ def main() -> None:
     parser.add_argument("--uneven-datasets", action="store_true", help="rank 1's dataset is one batch shorter")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
     parser.add_argument("--engine", default="auto")
+    parser.add_argument("--validate", action="store_true", help="validate on 8 batches after every epoch")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
@@ -166,7 +178,7 @@ def main() -> None:
         callbacks=callbacks,
     )
     samples = args.samples - (8 if args.uneven_datasets and os.environ.get("LOCAL_RANK") == "1" else 0)
-    datamodule = Unsharded(samples) if args.distributed_sampler or balancer is not None else Sharded()
+    datamodule = Unsharded(samples, args.validate) if args.distributed_sampler or balancer is not None else Sharded()
     model = Classifier(optimizer=args.optimizer)
     trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
     if args.second_fit:

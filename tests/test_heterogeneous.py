@@ -221,6 +221,26 @@ def test_equal_devices_keep_the_even_split_and_the_uniform_rule(tmp_path: Path) 
         torch.testing.assert_close(actual, wanted)
 
 
+def test_with_lightnings_distributed_sampler_validation_is_shared_and_training_routed(tmp_path: Path) -> None:
+    """With the Trainer's default use_distributed_sampler=True, the validation batches are split between the
+    ranks as in uniform mode (8 per epoch: 4 each), and the training data is still routed from one order that
+    shuffles as Lightning's DistributedSampler does (the injected sampler's shuffle and seed): each sample once
+    per epoch, in another order every epoch."""
+    epochs = 2
+    ranks = _heterogeneous_run(tmp_path / "run", "--epochs", str(epochs), "--distributed-sampler", "--validate")
+    assert ranks[0]["validation_batches"] == ranks[1]["validation_batches"] == epochs * 4
+    dataset_inputs = make_data(num_samples=188).tensors[0]
+    orders = []
+    for epoch in range(epochs):
+        seen = torch.cat([ranks[0]["seen"][epoch], ranks[1]["seen"][epoch]])
+        matches = (seen.unsqueeze(1) == dataset_inputs.unsqueeze(0)).all(-1)
+        assert torch.equal(matches.sum(0), torch.ones(188, dtype=torch.long))  # each sample once
+        orders.append(matches.float().argmax(1))
+    assert not torch.equal(orders[0], orders[1])  # shuffled anew each epoch
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_heterogeneous_resume_carries_on_with_the_measured_split_exactly(tmp_path: Path) -> None:
     straight = _heterogeneous_run(tmp_path / "straight", "--epochs", "4")
     checkpoint = str(tmp_path / "half.ckpt")
