@@ -864,12 +864,16 @@ class CrossbowStrategy(DDPStrategy):
             torch.cuda.synchronize(self.root_device)
 
     def _make_engine(self, replicas_per_device: int, fused_failed: bool = False) -> Engine:
-        """The configured engine for k replicas (an auto engine whose fused attempt failed does not try again)."""
+        """The configured engine for k replicas (an auto engine whose fused attempt failed does not try again).
+
+        In heterogeneous mode ``engine="auto"`` is fused with its fallback, never timed against streams: the ranks
+        hold different k and change it at different steps, so they could not time their candidates together."""
+        measured_choice = not (self.balancer is not None and self.engine_name == "auto")
         return make_engine(
             self.engine_name,
             self.lightning_module,
             replicas_per_device,
-            self._stream_pool(),
+            self._stream_pool() if measured_choice else None,
             fused_failed,
             self._all_reduce_sum,
             fastest=self._fastest_engine.get(replicas_per_device),

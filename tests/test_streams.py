@@ -274,6 +274,16 @@ def test_auto_measures_each_k_once_and_keeps_its_choice_when_k_returns(monkeypat
     assert len(back) == 8 and all(not measuring and chosen == first_choice for measuring, chosen in back)
 
 
+def test_heterogeneous_mode_keeps_auto_as_fused_without_timing_streams(monkeypatch) -> None:
+    """Ranks of different k would time their candidates at different steps, and the choice is agreed by an
+    all-reduce: in heterogeneous mode engine="auto" is fused (with its fallback) on every rank."""
+    monkeypatch.setattr(CrossbowStrategy, "_stream_pool", lambda self: HostStreamPool())
+    spy = EngineSpy()
+    strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
+    trainer(strategy=strategy, callbacks=[spy], max_epochs=1).fit(Classifier(), loader(make_data(num_samples=96)))
+    assert type(spy.engine).__name__ == "AutoEngine"
+
+
 def test_make_engine_without_a_pool_refuses_streams_and_keeps_auto_as_fused_with_fallback() -> None:
     module = Classifier()
     with pytest.raises(ValueError, match="engine='streams' runs every replica on its own CUDA stream"):
