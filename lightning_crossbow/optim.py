@@ -69,18 +69,21 @@ def repoint_to_stack(optimizer: Optimizer, stacked: Mapping[int, Tensor], num_re
 
 
 @torch.no_grad()
-def central_state_dict(optimizer: Optimizer) -> dict[str, Any]:
+def central_state_dict(
+    optimizer: Optimizer, mean_over_replicas: Callable[[Tensor], Tensor] = lambda rows: rows.mean(0)
+) -> dict[str, Any]:
     """``optimizer.state_dict()`` as if it stepped the module's own parameters: every per-replica state
-    tensor (shaped like its stacked ``(k, *shape)`` parameter) becomes its mean over the replicas; other
-    state (Adam's ``step``...) and the hyper-parameters are kept. Plain Lightning, or any optimizer over
-    the module's parameters, loads it. The optimizer itself is not changed."""
+    tensor (shaped like its stacked ``(k, *shape)`` parameter) becomes ``mean_over_replicas`` of its rows
+    (these replicas' mean; across processes, the strategy passes the mean over every process's replicas);
+    other state (Adam's ``step``...) and the hyper-parameters are kept. Plain Lightning, or any optimizer
+    over the module's parameters, loads it. The optimizer itself is not changed."""
     state_dict = optimizer.state_dict()
     params = [param for group in optimizer.param_groups for param in group["params"]]
     for index, param in enumerate(params):
         entry = state_dict["state"].get(index)
         if entry is not None:  # a new dict: the entry is the optimizer's own
             state_dict["state"][index] = {
-                key: value.mean(0) if _is_per_element(key, value, param.shape) else value
+                key: mean_over_replicas(value) if _is_per_element(key, value, param.shape) else value
                 for key, value in entry.items()
             }
     return state_dict

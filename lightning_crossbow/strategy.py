@@ -1045,11 +1045,14 @@ class CrossbowStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state over the module's own parameters (the mean over replicas): the checkpoint's
-        ``optimizer_states`` resume in plain Lightning too. Each rank's stacked state is kept beside it."""
+        """The optimizer's state over the module's own parameters (the mean over every replica of every process,
+        one all-reduce per state tensor): the checkpoint's ``optimizer_states`` resume in plain Lightning too, and
+        seed the replicas of a resume with another k or world size. Each rank's stacked state is kept beside it."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return central_state_dict(optimizer)
+        if self.world_size == 1:
+            return central_state_dict(optimizer)
+        return central_state_dict(optimizer, lambda rows: all_reduce_sum_(rows.sum(0)).div_(self.num_learners))
 
     def _strategy_state(self) -> dict[str, Any]:
         assert self.stack is not None
@@ -1086,13 +1089,8 @@ class CrossbowStrategy(DDPStrategy):
         else:
             # (a heterogeneous run's checkpoint with different learners per rank re-seeds)
             even = state is not None and len(set(state.get("split") or (0,))) == 1
-            if (
-                even
-                and self.restore_replicas_per_device
-                and state["world_size"] == self.world_size
-                and state["replicas_per_device"] != self.replicas_per_device
-            ):
-                self._resize_replicas(state["replicas_per_device"])  # a tuned k carries on
+            if even and self.restore_replicas_per_device and state["replicas_per_device"] != self.replicas_per_device:
+                self._resize_replicas(state["replicas_per_device"])  # a tuned k (per device) carries on
             same_layout = (
                 even
                 and state["replicas_per_device"] == self.replicas_per_device

@@ -136,6 +136,12 @@ def test_resume_on_two_processes_is_exact(tmp_path: Path) -> None:
     half.mkdir()
     result = _run(half, "popen", "2", "--epochs", "2", "--save", str(tmp_path / "half.ckpt"))
     assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = torch.load(tmp_path / "half.ckpt", weights_only=False)
+    central, ranks = checkpoint["optimizer_states"][0]["state"], checkpoint["crossbow"]["ranks"]
+    for index, entry in central.items():  # the momentum of the central model: the mean over all 4 replicas
+        rows = torch.cat([rank["optimizer"]["state"][index]["momentum_buffer"] for rank in ranks])
+        assert rows.shape[0] == 4
+        torch.testing.assert_close(entry["momentum_buffer"], rows.mean(0))
     result = _run(half, "popen", "2", "--epochs", "4", "--resume", str(tmp_path / "half.ckpt"))
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in range(2):

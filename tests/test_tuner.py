@@ -288,6 +288,19 @@ def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
     assert resumed.global_step == 80
 
 
+def test_a_tuned_k_per_device_carries_on_under_another_world_size(tmp_path) -> None:
+    """k is per device: resumed with as many devices or not, the tuned k is in force and the tuner holds it (the
+    checkpoint is marked as written by 2 processes, so the replicas are re-seeded from z)."""
+    tuner, fit = tuned_fit(tmp_path, max_steps=70)
+    fit.save_checkpoint(tmp_path / "tuned.ckpt")
+    checkpoint = torch.load(tmp_path / "tuned.ckpt", weights_only=False)
+    checkpoint["crossbow"]["world_size"] = 2
+    torch.save(checkpoint, tmp_path / "two.ckpt")
+    with pytest.warns(UserWarning, match="world_size=2 with replicas_per_device=4 x world_size=1: the replicas"):
+        resumed_tuner, resumed = tuned_fit(tmp_path, max_steps=80, start_k=1, ckpt_path=tmp_path / "two.ckpt")
+    assert resumed.strategy.replicas_per_device == tuner.chosen == resumed_tuner.chosen == 4
+
+
 def test_a_run_resumed_mid_search_goes_on_with_the_same_search(tmp_path) -> None:
     """Stopped after 4 windows of the doubling climb (k = 1, 2, 3, 4: probing 8 next), the resumed tuner carries on
     where it was."""
