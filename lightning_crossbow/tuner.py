@@ -87,7 +87,8 @@ class ReplicaAutoTuner(Callback):
         objective: ``"throughput"`` (default: maximise samples/s, Crossbow's policy; with the default
             ``scaled_averaging`` rule it reached the benchmarks' accuracy targets sooner, see
             benchmarks/RESULTS.md) or ``"progress"`` (maximise the training loss's decrease per second).
-        min_replicas, max_replicas: bounds on k.
+        min_replicas, max_replicas: bounds on k (training starts at ``min_replicas`` at least, memory and the
+            epoch's length permitting; no window is measured outside them).
         window: steps per measurement.
         warmup: steps after each change that are not measured.
         threshold: the gain that justifies one more replica: for ``"throughput"`` the samples/s the last
@@ -173,6 +174,15 @@ class ReplicaAutoTuner(Callback):
                 f" {type(trainer.strategy).__name__}. Use Trainer(strategy='crossbow')."
             )
         trainer.strategy.restore_replicas_per_device = True  # a resumed run carries on with the tuned k
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Starts at ``min_replicas`` at least (as far as the ceiling allows): no window is measured below it."""
+        strategy = trainer.strategy
+        k = strategy.tuned_replicas_per_device
+        start = min(self.min_replicas, self._ceiling(k, strategy))
+        if self.chosen is None and k < start:
+            strategy.set_replicas_per_device(start)  # (every rank, at the same point)
 
     @override
     def on_train_batch_end(
