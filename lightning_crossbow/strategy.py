@@ -454,19 +454,22 @@ class CrossbowStrategy(DDPStrategy):
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         self._batch_size = getattr(dataloader, "batch_size", None)
+        grouped: ReplicaBatchLoader
         if self.routing is not None:
-            grouped: ReplicaBatchLoader = self._routed_loader(dataloader)
+            grouped = routed = self._routed_loader(dataloader)
             batches_per_step, per_step = sum(self.routing.latest), f"K={sum(self.routing.latest)} learners"
+            length: Optional[int] = routed.routed_sampler.batches_per_epoch()  # the common order's, shared out
+            most = length // self.world_size  # (per device: K = replicas_per_device x world_size)
         else:
             grouped = ReplicaBatchLoader(dataloader, self.replicas_per_device)
             batches_per_step, per_step = self.replicas_per_device, f"replicas_per_device={self.replicas_per_device}"
+            length = most = loader_length(dataloader)
         self._grouped = grouped
-        length = loader_length(dataloader)
-        if length is not None and self.routing is None and length < batches_per_step:
+        if length is not None and length < batches_per_step:
             raise ValueError(
                 f"crossbow: the training DataLoader has {length} batches per epoch, fewer than the"
                 f" {batches_per_step} that one step takes ({per_step}): not one step could be made. Use at most"
-                f" replicas_per_device={length}, or give the loader more batches (a smaller batch size)."
+                f" replicas_per_device={most}, or give the loader more batches (a smaller batch size)."
             )
         dropped = grouped.dropped_batches()
         if dropped:

@@ -209,9 +209,11 @@ def test_a_loader_without_a_length_trains_on_every_group() -> None:
     assert fit.global_step == 2 * 3  # 3 full groups of 2 per pass; the 7th batch does not fill one
 
 
-def test_fewer_batches_than_replicas_is_refused_before_training() -> None:
-    with pytest.raises(ValueError, match=r"has 3 batches per epoch, fewer than the 4 that one step takes.*at most"):
-        trainer(strategy=CrossbowStrategy(replicas_per_device=4), max_epochs=1).fit(
+@pytest.mark.parametrize("heterogeneous", [False, True])
+def test_fewer_batches_than_replicas_is_refused_before_training(heterogeneous: bool) -> None:
+    match = r"has 3 batches per epoch, fewer than the 4 that one step takes .*at most replicas_per_device=3"
+    with pytest.raises(ValueError, match=match):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=4, heterogeneous=heterogeneous), max_epochs=1).fit(
             Classifier(), loader(make_data(num_samples=24))
         )
 
