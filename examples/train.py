@@ -1,10 +1,10 @@
 """Train a model from the Hydra configs in conf/ and print one result line.
 
-    python examples/train.py                                   # MNIST-1D CNN, crossbow k=4
-    python examples/train.py strategy.replicas_per_device=8 data.batch_size=16 trainer.max_epochs=10
-    python examples/train.py strategy=single                   # plain Lightning baseline
-    python examples/train.py -m strategy.replicas_per_device=1,2,4,8   # a sweep, results in one table
-    python examples/train.py --cfg job                         # print the composed config
+python examples/train.py                                   # MNIST-1D CNN, crossbow k=4
+python examples/train.py strategy.replicas_per_device=8 data.batch_size=16 trainer.max_epochs=10
+python examples/train.py strategy=single                   # plain Lightning baseline
+python examples/train.py -m strategy.replicas_per_device=1,2,4,8   # a sweep, results in one table
+python examples/train.py --cfg job                         # print the composed config
 """
 
 from __future__ import annotations
@@ -23,8 +23,22 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import torch  # noqa: E402
+
 import lightning_crossbow  # noqa: E402,F401  (registers strategy="crossbow")
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
+from lightning_crossbow.data import ReplicaGroup  # noqa: E402
+
+
+class SamplesTrained(L.Callback):
+    """Training samples this process took (a crossbow step hands over k batches, and k may change)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for x, _ in batch if isinstance(batch, ReplicaGroup) else [batch]:
+            self.samples += len(x)
 
 
 def build(cfg: DictConfig) -> tuple[L.Trainer, L.LightningModule, L.LightningDataModule]:
@@ -35,7 +49,7 @@ def build(cfg: DictConfig) -> tuple[L.Trainer, L.LightningModule, L.LightningDat
     strategy: Any = instantiate(cfg.strategy) if "_target_" in cfg.strategy else cfg.strategy.name
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer = L.Trainer(**cfg.trainer, strategy=strategy, callbacks=callbacks, logger=logger)
+    trainer = L.Trainer(**cfg.trainer, strategy=strategy, callbacks=[*callbacks, SamplesTrained()], logger=logger)
     return trainer, model, datamodule
 
 
@@ -50,7 +64,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         test_acc = trainer.test(model, datamodule=datamodule, verbose=False)[0]["test_acc"]
     strategy = trainer.strategy
     k = strategy.replicas_per_device if isinstance(strategy, CrossbowStrategy) else 1
-    samples = trainer.global_step * k * datamodule.batch_size * trainer.world_size * trainer.accumulate_grad_batches
+    counted = next(c for c in trainer.callbacks if isinstance(c, SamplesTrained)).samples
+    samples = float(strategy.reduce(torch.tensor(float(counted)), reduce_op="sum"))  # over the processes
     return {
         "strategy": type(strategy).__name__,
         "replicas_per_device": k,

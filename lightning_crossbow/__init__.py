@@ -8,11 +8,11 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_crossbow.accelerator import CrossbowAccelerator
-from lightning_crossbow.balancing import SpeedBalancer
+from lightning_crossbow.balancing import SpeedBalancer, StepTime
 from lightning_crossbow.strategy import CrossbowStrategy
-from lightning_crossbow.tuner import ReplicaAutoTuner
+from lightning_crossbow.tuner import ReplicaAutoTuner, TuningRecord
 
-__all__ = ["CrossbowAccelerator", "CrossbowStrategy", "ReplicaAutoTuner", "SpeedBalancer"]
+__all__ = ["CrossbowAccelerator", "CrossbowStrategy", "ReplicaAutoTuner", "SpeedBalancer", "StepTime", "TuningRecord"]
 __version__ = "0.1.0"
 
 if "crossbow" not in StrategyRegistry:

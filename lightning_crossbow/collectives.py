@@ -6,8 +6,6 @@ Without an initialised process group (one process) all are local.
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -19,10 +17,10 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def all_reduce_sum_(tensor: Tensor, group: Optional[Any] = None) -> Tensor:
+def all_reduce_sum_(tensor: Tensor) -> Tensor:
     """Sums ``tensor`` over all processes in place (a no-op without an initialised process group)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    if _world()[1] > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
@@ -41,7 +39,10 @@ def pull_rows(rows: Tensor, shift: int) -> Tensor:
         return torch.roll(rows, -m, dims=0)
     out = torch.empty_like(rows)
     # (rows of `out` to fill, source rank, rows of the source) and (rows to send, destination rank).
-    receives = [(slice(0, k - m), (rank + q) % world, slice(m, k)), (slice(k - m, k), (rank + q + 1) % world, slice(0, m))]
+    receives = [
+        (slice(0, k - m), (rank + q) % world, slice(m, k)),
+        (slice(k - m, k), (rank + q + 1) % world, slice(0, m)),
+    ]
     sends = [(slice(m, k), (rank - q) % world), (slice(0, m), (rank - q - 1) % world)]
     operations = []
     for (target, source, source_rows), (sent_rows, destination) in zip(receives, sends):
@@ -60,7 +61,7 @@ def pull_rows(rows: Tensor, shift: int) -> Tensor:
 
 def all_gather_rows(row: Tensor) -> Tensor:
     """Stacks every process's ``row`` (the same shape on all), in rank order: shape ``(world_size, *row.shape)``."""
-    rank, world = _world()
+    world = _world()[1]
     if world == 1:
         return row.unsqueeze(0)
     rows = [torch.empty_like(row) for _ in range(world)]

@@ -31,8 +31,9 @@ def loader_length(loader: object) -> Optional[int]:
 
 def skips_over_a_tenth(batches: int, group_size: int) -> bool:
     """Whether groups of ``group_size`` leave more than a tenth of an epoch's ``batches`` out of its last,
-    unfilled group (``batches mod group_size > batches / 10``): the most crossbow accepts without a warning,
-    and the bound of :meth:`~lightning_crossbow.CrossbowStrategy.replicas_fitting_an_epoch`."""
+    unfilled group (``batches mod group_size > batches / 10``): when a change of k warns that it does
+    (set-up warns of any batch left out), and the bound of
+    :meth:`~lightning_crossbow.CrossbowStrategy.replicas_fitting_an_epoch`."""
     return (batches % group_size) * 10 > batches
 
 

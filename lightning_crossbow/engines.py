@@ -41,7 +41,8 @@ ENGINES = ("auto", "fused", "sequential", "streams")
 
 
 class NotFusableError(RuntimeError):
-    """The user's ``training_step`` returned something ``vmap`` cannot carry (None, non-tensors)."""
+    """The user's ``training_step`` cannot run under ``vmap``: it returned a dict with non-tensor values, or it
+    updates a torchmetrics metric, whose state cannot hold per-replica values."""
 
 
 @dataclass

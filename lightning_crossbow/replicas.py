@@ -45,7 +45,7 @@ class FlatBucket:
     center: Tensor  # (N,)
     center_prev: Tensor  # (N,)
     replicas: Tensor  # (k, N)
-    corrections: Tensor  # (k, N), scratch for alpha * (w_j - z)
+    corrections: Tensor  # (k, N), scratch: c_j = alpha (w_j - z) (SMA, EASGD) or d_j = w_j - z (scaled averaging)
 
     def slices(self) -> list[tuple[str, int, int, torch.Size]]:
         return [
@@ -127,13 +127,6 @@ class ReplicaStack:
             for name, start, end, _ in bucket.slices():
                 bucket.center[start:end].copy_(module.get_parameter(name).detach().reshape(-1))
         self._bind_center(module)
-
-    def replica(self, index: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """Parameters and buffers of replica ``index`` as views (gradients flow to the stack)."""
-        return (
-            {name: stack[index] for name, stack in self.params.items()},
-            {name: stack[index] for name, stack in self.buffers.items()},
-        )
 
     def unbind(self) -> list[tuple[dict[str, Tensor], dict[str, Tensor]]]:
         """All replicas' parameters and buffers, one ``unbind`` per stacked tensor."""

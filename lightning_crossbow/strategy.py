@@ -1,6 +1,7 @@
 """CrossbowStrategy: Crossbow's k replicas per device and synchronous model averaging, in Lightning.
 
-This module is Lightning glue only. The pieces it wires together:
+This module is the Strategy: Lightning's hooks, the checkpoint format, the out-of-memory back-off and the
+checks before training. The pieces it wires together:
 
 - :class:`~lightning_crossbow.data.ReplicaBatchLoader` groups k batches of the user's loader per step;
 - :class:`~lightning_crossbow.replicas.ReplicaStack` holds the replicas; the LightningModule's own
@@ -917,16 +918,15 @@ class CrossbowStrategy(DDPStrategy):
         """How many more learners this rank may take: each must fit twice over in the device's free memory (RAM on
         CPU), as for the tuner (activations are not counted)."""
         assert self.stack is not None
-        free = device_memory(self.root_device).get("memory_free_bytes")
-        room = int(free // (2 * self.stack.state_bytes_per_replica())) if free is not None else 1 << 20
-        return min(room, 1 << 20)
+        free = device_memory(self.root_device)["memory_free_bytes"]
+        return min(int(free // (2 * self.stack.state_bytes_per_replica())), 1 << 20)
 
     def _all_gather_rows(self, row: Tensor) -> Tensor:
-        """:func:`all_gather_rows` through the root device (NCCL reduces CUDA tensors only), returned on the CPU."""
+        """:func:`all_gather_rows` through the root device (NCCL's collectives take CUDA tensors only), on the CPU."""
         return all_gather_rows(row.to(self.root_device)).cpu()
 
     def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        """:func:`all_reduce_sum_` through the root device (NCCL reduces CUDA tensors only), returned on the CPU."""
+        """:func:`all_reduce_sum_` through the root device (NCCL's collectives take CUDA tensors only), on the CPU."""
         return all_reduce_sum_(tensor.to(self.root_device)).cpu()
 
     def _rebalance(self) -> None:

@@ -156,9 +156,9 @@ class ReplicaAutoTuner(Callback):
         # (training seconds, mean loss over replicas), in runs of consecutive steps: a skipped interval
         # (validation, an epoch's end) starts a new run.
         self._window_losses: list[list[tuple[float, float]]] = []
-        #: "progress": the A-B-A ("before", "trial", "after"); "throughput": the search (see ``_decide``).
+        #: "progress": where the A-B-A is ("before", "trial", "after"; see ``_decide_progress``).
         self._phase: Literal["before", "trial", "after"] = "before"
-        self._climb = Climb()
+        self._climb = Climb()  #: "throughput": the search (see ``_decide``)
         self._room: Optional[int] = None  # more replicas that fit on every rank, at the last window's end
         self._before: Optional[TuningRecord] = None
         self._trial: Optional[TuningRecord] = None
@@ -341,7 +341,7 @@ class ReplicaAutoTuner(Callback):
         """A-B-A: measure k, then k+1, then k again; keep k+1 if it beats the mean of both k windows."""
         k = record.replicas_per_device
         if self._phase == "before":
-            if not self._can_grow(k, strategy):
+            if k >= self._ceiling(k, strategy):
                 self.chosen = k
                 return k
             self._before, self._phase = record, "trial"
@@ -356,9 +356,6 @@ class ReplicaAutoTuner(Callback):
             return k + 1  # k+1 becomes the baseline, measured afresh next to the next trial
         self.chosen = k
         return k
-
-    def _can_grow(self, k: int, strategy: Any) -> bool:
-        return k < self._ceiling(k, strategy)
 
     def _ceiling(self, k: int, strategy: Any) -> int:
         """The largest k allowed: ``max_replicas``, below any k that ran out of memory, such that every
