@@ -43,6 +43,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import Tensor
 from torch.optim import Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop
+from typing_extensions import override
 
 from lightning_crossbow.replicas import FlatBucket
 from lightning_crossbow.sma import apply_corrections_, corrections_, default_alpha, update_center_
@@ -170,11 +171,13 @@ class SMA(Averaging):
     def alpha_for(self, num_learners: int) -> float:
         return self.alpha if self.alpha is not None else default_alpha(num_learners)
 
+    @override
     def before_local_step(self, buckets: Sequence[FlatBucket], num_learners: int) -> None:
         alpha = self.alpha_for(num_learners)
         for bucket in buckets:
             corrections_(bucket.corrections, bucket.replicas, bucket.center, alpha)
 
+    @override
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
@@ -284,6 +287,7 @@ class ScaledAveraging(Averaging):
         sums[rider] = sums[rider][:-2]
         return sums, statistics
 
+    @override
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
@@ -307,9 +311,11 @@ class ScaledAveraging(Averaging):
             )
         # (the learners move to z_next when the next step starts: learners_start_at_center)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"noise": self.noise, "signal": self.signal, "steps_measured": self.steps_measured, "eta": self.last_eta}
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self.noise, self.signal, self.steps_measured = state["noise"], state["signal"], state["steps_measured"]
@@ -343,6 +349,7 @@ class Gossip(Averaging):
         """``s_t = 1 + (t mod (K - 1))``; 0 for a single learner."""
         return 0 if num_learners < 2 else 1 + step % (num_learners - 1)
 
+    @override
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],

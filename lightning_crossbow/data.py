@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator, Sized
 from itertools import islice
 from typing import Any, Optional
 
+from typing_extensions import override
+
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
 
 
@@ -129,6 +131,7 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         self.current_group = -1  #: the group of the last batches handed out
         self._order_batches_taken = 0  # in the current pass, by the groups of every rank
 
+    @override
     def _group_size(self) -> int:
         return self.plan.share(self.plan.groups_trained)[1]
 
@@ -145,9 +148,11 @@ class RoutedBatchLoader(ReplicaBatchLoader):
             self.plan.groups_trained += 1
             yield group
 
+    @override
     def give_back(self, batches: list[Any]) -> None:
         raise RuntimeError("A routed group cannot be split: the other ranks' shares of it are fixed.")
 
+    @override
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those handed out, and those the rest of the order makes, each group at
         the split in force for it (groups drawn ahead keep the split they were drawn with)."""
@@ -162,5 +167,6 @@ class RoutedBatchLoader(ReplicaBatchLoader):
     def __len__(self) -> int:
         return self.routed_sampler.batches_per_epoch() // sum(self.plan.latest)
 
+    @override
     def dropped_batches(self) -> int:
         return self.routed_sampler.batches_per_epoch() % sum(self.plan.latest)

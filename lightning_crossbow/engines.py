@@ -30,6 +30,7 @@ from typing import Any, ContextManager, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from typing_extensions import override
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -136,6 +137,7 @@ class SequentialEngine(Engine):
 
     name = "sequential"
 
+    @override
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> ReplicaStepOutput:
@@ -200,6 +202,7 @@ class StreamsEngine(SequentialEngine):
         self.concurrent = True
         self._checked = False  # whether the first step has run (one replica after another, watching metrics)
 
+    @override
     def _replica_outputs(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> list[Any]:
@@ -238,10 +241,12 @@ class StreamsEngine(SequentialEngine):
             )
         return outputs
 
+    @override
     def _replica_context(self, index: int) -> ContextManager[Any]:
         return self.pool.use(self._streams[index]) if self._streams else nullcontext()
 
     @property
+    @override
     def uses_streams(self) -> bool:
         return self.concurrent
 
@@ -272,6 +277,7 @@ class FusedEngine(Engine):
             stacklevel=2,
         )
 
+    @override
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> ReplicaStepOutput:
@@ -340,6 +346,7 @@ class AutoEngine(Engine):
             torch._foreach_copy_(saved, buffers)
         return self._saved_buffers
 
+    @override
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> ReplicaStepOutput:
@@ -372,6 +379,7 @@ class AutoEngine(Engine):
         return output
 
     @property
+    @override
     def fused_failed(self) -> bool:
         return self.active is self.sequential
 
@@ -419,6 +427,7 @@ class FastestEngine(Engine):
         self.chosen: Optional[str] = chosen
         self.active: Engine = self.candidates[chosen or names[0]]
 
+    @override
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> ReplicaStepOutput:
@@ -427,6 +436,7 @@ class FastestEngine(Engine):
         return self.active.run(stack, batches, args, capture)
 
     @contextmanager
+    @override
     def timed(self) -> Iterator[None]:
         if self.chosen is not None:
             yield
@@ -459,14 +469,17 @@ class FastestEngine(Engine):
         )
 
     @property
+    @override
     def uses_streams(self) -> bool:
         return self.active.uses_streams
 
     @property
+    @override
     def measuring(self) -> bool:
         return self.chosen is None
 
     @property
+    @override
     def fused_failed(self) -> bool:
         return any(engine.fused_failed for engine in self.candidates.values())
 
