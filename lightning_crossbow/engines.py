@@ -262,7 +262,7 @@ class FusedEngine(Engine):
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
-        self._sequential = SequentialEngine(module)
+        self.sequential = SequentialEngine(module)  #: for groups whose batches cannot be stacked
         self._autocast_warned = False
 
     def _warn_if_autocast(self, device: torch.device) -> None:
@@ -283,7 +283,7 @@ class FusedEngine(Engine):
     ) -> ReplicaStepOutput:
         stacked = _stack_batches(batches)
         if stacked is None:
-            return self._sequential.run(stack, batches, args, capture)
+            return self.sequential.run(stack, batches, args, capture)
         batch, batch_dims = stacked
         device = _device_of(stack)
         self._warn_if_autocast(device)
@@ -330,7 +330,7 @@ class AutoEngine(Engine):
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
         self.fused = FusedEngine(module)
-        self.sequential = SequentialEngine(module)
+        self.sequential = self.fused.sequential
         self.active: Engine = self.fused
         self._metrics = _metrics_of(module)  # walked once: a step only copies their attributes
         self._saved_buffers: list[Tensor] = []
