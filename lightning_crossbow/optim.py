@@ -23,6 +23,11 @@ from lightning_crossbow.replicas import resize_rows
 SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
 
 
+def stacked_params(optimizer: Optimizer) -> list[Tensor]:
+    """The parameters ``optimizer`` steps, in its state_dict's order: the stacked ``(k, *shape)`` replicas."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
 def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
     """Whether state entry ``key`` is a tensor of one value per element of a parameter of ``shape`` (a
     0-dim parameter included: then only its key tells it from a count)."""
@@ -78,7 +83,7 @@ def central_state_dict(
     other state (Adam's ``step``...) and the hyper-parameters are kept. Plain Lightning, or any optimizer
     over the module's parameters, loads it. The optimizer itself is not changed."""
     state_dict = optimizer.state_dict()
-    params = [param for group in optimizer.param_groups for param in group["params"]]
+    params = stacked_params(optimizer)
     for index, param in enumerate(params):
         entry = state_dict["state"].get(index)
         if entry is not None:  # a new dict: the entry is the optimizer's own
@@ -96,7 +101,7 @@ def seed_stacked_state_(optimizer: Optimizer, saved: Mapping[str, Any]) -> bool:
     of replicas, into ``optimizer`` over its stacked ``(k, *shape)`` parameters: every replica gets the
     same state, the saved one (stacked rows: their mean). Hyper-parameters come from ``saved``.
     Returns False, changing nothing, when the saved parameters do not match (count or shapes)."""
-    params = [param for group in optimizer.param_groups for param in group["params"]]
+    params = stacked_params(optimizer)
     saved_groups = saved.get("param_groups", [])
     if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
         return False
@@ -160,11 +165,10 @@ def _replace_params(
 @torch.no_grad()
 def reset_state_rows_(optimizer: Optimizer, rows: Tensor) -> None:
     """Zeroes the per-replica optimizer state (momentum, moments, ...) of the replicas in ``rows``."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for key, value in optimizer.state.get(param, {}).items():
-                if _is_per_element(key, value, param.shape):
-                    value[rows] = 0
+    for param in stacked_params(optimizer):
+        for key, value in optimizer.state.get(param, {}).items():
+            if _is_per_element(key, value, param.shape):
+                value[rows] = 0
 
 
 class HeldRows:
@@ -176,7 +180,7 @@ class HeldRows:
     @torch.no_grad()
     def __init__(self, optimizer: Optimizer, rows: Tensor) -> None:
         self.optimizer, self.rows = optimizer, rows
-        self.params = [param for group in optimizer.param_groups for param in group["params"]]
+        self.params = stacked_params(optimizer)
         self.copies: dict[tuple[int, str], Tensor] = {}
         for param in self.params:
             self.copies[(id(param), "")] = param[rows].clone()

@@ -83,6 +83,7 @@ from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
     HeldRows,
     central_state_dict,
+    stacked_params,
     check_elementwise,
     clip_grad_norm_per_replica_,
     repoint_to_stack,
@@ -431,10 +432,7 @@ class CrossbowStrategy(DDPStrategy):
             if self.balancer is None
             else (self.balancer.every, self.balancer.min_gain, self.balancer.remember),
         }
-        configs = [config]
-        if self.world_size > 1:
-            configs = [None] * self.world_size
-            torch.distributed.all_gather_object(configs, config)
+        configs = self._gather_objects(config)
         differing = [key for key in config if any(c[key] != config[key] for c in configs)]
         if differing:
             per_rank = "; ".join(
@@ -446,7 +444,7 @@ class CrossbowStrategy(DDPStrategy):
             )
 
     def _clip_grad_by_norm_per_replica(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_per_replica_((p for g in optimizer.param_groups for p in g["params"]), float(clip_val))
+        clip_grad_norm_per_replica_(stacked_params(optimizer), float(clip_val))
 
     # ------------------------------------------------------------------------------------ data
     @override
@@ -492,10 +490,8 @@ class CrossbowStrategy(DDPStrategy):
         seed = sampler.seed if injected else int(os.getenv("PL_GLOBAL_SEED", 0))  # (the seed Lightning's takes)
         shuffle = sampler.shuffle if injected else isinstance(sampler, RandomSampler)
         length = len(dataloader.dataset) if problem is None else None  # type: ignore[attr-defined]
-        ranks = [(problem, length, seed)]
-        if self.world_size > 1:  # every rank learns of any rank's problem: none is left waiting in a collective
-            ranks = [None] * self.world_size
-            torch.distributed.all_gather_object(ranks, (problem, length, seed))
+        # every rank learns of any rank's problem: none is left waiting in a collective
+        ranks = self._gather_objects((problem, length, seed))
         problems = [p for p, _, _ in ranks if p is not None]
         if problems:
             raise ValueError(
@@ -921,6 +917,14 @@ class CrossbowStrategy(DDPStrategy):
         free = device_memory(self.root_device)["memory_free_bytes"]
         return min(int(free // (2 * self.stack.state_bytes_per_replica())), 1 << 20)
 
+    def _gather_objects(self, local: Any) -> list[Any]:
+        """Every process's ``local`` (picklable), in rank order. A collective on several processes."""
+        if self.world_size == 1:
+            return [local]
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, local)
+        return gathered
+
     def _all_gather_rows(self, row: Tensor) -> Tensor:
         """:func:`all_gather_rows` through the root device (NCCL's collectives take CUDA tensors only), on the CPU."""
         return all_gather_rows(row.to(self.root_device)).cpu()
@@ -1065,10 +1069,7 @@ class CrossbowStrategy(DDPStrategy):
             "stack": self.stack.state_dict(),
             "optimizer": apply_to_collection(self.optimizers[0].state_dict(), Tensor, _cpu_copy),  # stacked
         }
-        ranks = [local]
-        if self.world_size > 1:
-            ranks = [None] * self.world_size
-            torch.distributed.all_gather_object(ranks, local)
+        ranks = self._gather_objects(local)
         return {
             "version": _CHECKPOINT_VERSION,
             "algorithm": self.algorithm,
