@@ -501,7 +501,7 @@ def make_engine(
     With one replica ``"auto"``, ``"fused"`` and ``"sequential"`` all loop once (no vmap, nothing to choose).
     """
     if name not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {name!r}.")
+        raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {name!r}.")
     if name == "streams":
         if streams is None:
             raise ValueError(STREAMS_NEED_CUDA.format(device="a device that is not CUDA"))

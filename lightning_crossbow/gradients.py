@@ -30,9 +30,7 @@ GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
 def hooks_read_gradients(module: pl.LightningModule, callbacks: Iterable[pl.Callback]) -> bool:
     """Whether the module or a callback has its own ``on_after_backward`` or ``on_before_optimizer_step``."""
-    if any(is_overridden(hook, module) for hook in GRADIENT_HOOKS):
-        return True
-    return any(getattr(type(c), hook) is not getattr(pl.Callback, hook) for c in callbacks for hook in GRADIENT_HOOKS)
+    return any(is_overridden(hook, owner) for owner in (module, *callbacks) for hook in GRADIENT_HOOKS)
 
 
 def _set_mean_gradient(parameter: nn.Parameter, stacked: Tensor) -> None:

@@ -123,7 +123,7 @@ class ReplicaAutoTuner(Callback):
         plot: Union[str, Path, None, Literal[False]] = None,
     ) -> None:
         if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
+            raise ValueError(f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {objective!r}.")
         for name, value, least in (("min_replicas", min_replicas, 1), ("window", window, 1), ("warmup", warmup, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
@@ -132,7 +132,7 @@ class ReplicaAutoTuner(Callback):
         if not (isinstance(threshold, (int, float)) and threshold >= 0):
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}.")
         if climb not in CLIMBS:
-            raise ValueError(f"climb must be one of {CLIMBS}, got {climb!r}.")
+            raise ValueError(f"climb must be one of {', '.join(map(repr, CLIMBS))}, got {climb!r}.")
         if recheck_every is not None and (
             isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1
         ):
