@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_crossbow.routing import Split
+from lightning_crossbow.validation import check_int, check_real
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,9 @@ class SpeedBalancer:
         remember: int = 3,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int (steps per window), got {every!r}.")
-        if not 0.0 <= min_gain < 1.0:
-            raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}.")
-        if isinstance(remember, bool) or not isinstance(remember, int) or remember < 1:
-            raise ValueError(f"remember must be a positive int (distinct k per rank), got {remember!r}.")
+        check_int("every", every, note=" (steps per window)")
+        check_real("min_gain", min_gain, "in [0, 1)", lambda value: 0.0 <= value < 1.0)
+        check_int("remember", remember, note=" (distinct k per rank)")
         self.every = every
         self.min_gain = min_gain
         self.remember = remember

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from typing_extensions import override
 
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
+from lightning_crossbow.validation import check_int
 
 
 def loader_length(loader: object) -> Optional[int]:
@@ -55,8 +56,7 @@ class ReplicaBatchLoader:
     """
 
     def __init__(self, loader: Iterable, num_replicas: int) -> None:
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+        check_int("num_replicas", num_replicas)
         self.loader = loader
         self.num_replicas = num_replicas
         self.groups_yielded = 0  # in the current pass

@@ -30,9 +30,9 @@ from typing import Any, ContextManager, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from typing_extensions import override
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from typing_extensions import override
 
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import ReplicaStack

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_crossbow.validation import check_int
+
 BufferReducer = Callable[[Tensor], Tensor]
 
 
@@ -62,8 +64,7 @@ class ReplicaStack:
     """
 
     def __init__(self, module: nn.Module, num_replicas: int) -> None:
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+        check_int("num_replicas", num_replicas)
         self.num_replicas = num_replicas
         self.buckets: list[FlatBucket] = []
         self.params: dict[str, Tensor] = {}
@@ -195,8 +196,7 @@ class ReplicaStack:
         buffers copy replica 0's). z, z_prev and the module's binding to z are untouched; the
         per-parameter leaves in :attr:`params` are new tensors (re-point the optimizer at them).
         """
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+        check_int("num_replicas", num_replicas)
         for bucket in self.buckets:
             bucket.replicas = resize_rows(bucket.replicas, num_replicas, fill=bucket.center)
             bucket.corrections = torch.empty_like(bucket.replicas)

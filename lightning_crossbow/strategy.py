@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import atexit
 import math
-import numbers
 import os
 import time
 import warnings
-from types import MethodType
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import timedelta
 from contextlib import nullcontext
+from datetime import timedelta
+from types import MethodType
 from typing import Any, ContextManager, Literal, Optional, Union
 
-import torch
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
-from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -44,6 +42,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import (
@@ -77,24 +76,25 @@ from lightning_crossbow.data import (
     loader_length,
     skips_over_a_tenth,
 )
-from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
 from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, FastestEngine, make_engine
+from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
     HeldRows,
     central_state_dict,
-    stacked_params,
     check_elementwise,
     clip_grad_norm_per_replica_,
     repoint_to_stack,
     reset_state_rows_,
     resize_stacked_state_,
     seed_stacked_state_,
+    stacked_params,
 )
 from lightning_crossbow.replicas import ReplicaStack, resize_rows
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split
 from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
+from lightning_crossbow.validation import check_int, is_real
 
 #: An LR decrease between two consecutive steps counts as a "drop" (and resets the replicas to z
 #: when ``reset_on_lr_drop``) when the new LR is at most this fraction of the old: step and plateau
@@ -194,7 +194,7 @@ class CrossbowStrategy(DDPStrategy):
         if self.auto_replicas:
             replicas_per_device = 1
         else:
-            _check_positive_int("replicas_per_device", replicas_per_device, also=" or 'auto'")
+            check_int("replicas_per_device", replicas_per_device, note=" or 'auto'")
         self.averaging = _make_averaging(algorithm, alpha, central_momentum, outer_lr, warmup_epochs)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}.")
@@ -590,7 +590,7 @@ class CrossbowStrategy(DDPStrategy):
         state, ``alpha=None`` follows 1/K, and the epoch's length follows the new grouping. Every
         process must make the same call at the same step (:class:`ReplicaAutoTuner` does).
         """
-        _check_positive_int("replicas_per_device", replicas_per_device)
+        check_int("replicas_per_device", replicas_per_device)
         if self.routing is not None:
             if replicas_per_device == self.tuned_replicas_per_device:
                 return
@@ -1223,13 +1223,13 @@ def _make_averaging(
     """The rule named ``algorithm``, after checking that every argument given applies to it."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}.")
-    if alpha is not None and not (_is_real(alpha) and 0.0 < alpha <= 1.0):
+    if alpha is not None and not (is_real(alpha) and 0.0 < alpha <= 1.0):
         raise ValueError(f"alpha must be a number in (0, 1] or None (meaning 1/K), got {alpha!r}.")
-    if central_momentum is not None and not (_is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
+    if central_momentum is not None and not (is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
         raise ValueError(f"central_momentum must be a number in [0, 1) or None, got {central_momentum!r}.")
-    if outer_lr not in OUTER_LRS and not (_is_real(outer_lr) and outer_lr > 0):
+    if outer_lr not in OUTER_LRS and not (is_real(outer_lr) and outer_lr > 0):
         raise ValueError(f"outer_lr must be 'adaptive', 'linear' or a positive number, got {outer_lr!r}.")
-    if not (_is_real(warmup_epochs) and warmup_epochs >= 0):
+    if not (is_real(warmup_epochs) and warmup_epochs >= 0):
         raise ValueError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
     # (numbers as Python floats: numpy's are accepted above)
     alpha = None if alpha is None else float(alpha)
@@ -1344,17 +1344,6 @@ def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) 
 def _destroy_process_group_at_exit() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def _is_real(value: Any) -> bool:
-    """A finite real number (numpy's included), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_positive_int(name: str, value: Any, also: str = "") -> None:
-    """An integer (numpy's included), not a bool, at least 1."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int (1, 2, 3, ...){also}, got {value!r}.")
 
 
 def _optimizer_classes(classes: Any) -> tuple[type[Optimizer], ...]:

@@ -49,6 +49,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_crossbow.validation import check_int, check_real
 
 OBJECTIVES = ("throughput", "progress")
 CLIMBS = ("linear", "doubling")
@@ -125,18 +126,13 @@ class ReplicaAutoTuner(Callback):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {objective!r}.")
         for name, value, least in (("min_replicas", min_replicas, 1), ("window", window, 1), ("warmup", warmup, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
-        if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas < min_replicas:
-            raise ValueError(f"max_replicas must be an int >= min_replicas={min_replicas}, got {max_replicas!r}.")
-        if not (isinstance(threshold, (int, float)) and threshold >= 0):
-            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}.")
+            check_int(name, value, least)
+        check_int("max_replicas", max_replicas, least=min_replicas, note=f" (min_replicas={min_replicas})")
+        check_real("threshold", threshold, ">= 0", lambda value: value >= 0)
         if climb not in CLIMBS:
             raise ValueError(f"climb must be one of {', '.join(map(repr, CLIMBS))}, got {climb!r}.")
-        if recheck_every is not None and (
-            isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1
-        ):
-            raise ValueError(f"recheck_every must be an int >= 1 or None, got {recheck_every!r}.")
+        if recheck_every is not None:
+            check_int("recheck_every", recheck_every, note=" or None")
         self.objective = objective
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         self.window, self.warmup, self.threshold = window, warmup, float(threshold)

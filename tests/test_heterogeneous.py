@@ -292,8 +292,12 @@ def test_ranks_with_different_datasets_fail_before_training(tmp_path: Path) -> N
 def test_speed_balancer_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="every must be a positive int"):
         SpeedBalancer(every=0)
-    with pytest.raises(ValueError, match=r"min_gain must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"min_gain must be a number in \[0, 1\)"):
         SpeedBalancer(min_gain=1.0)
+    with pytest.raises(ValueError, match=r"min_gain must be a number in \[0, 1\), got '0.1'"):
+        SpeedBalancer(min_gain="0.1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"remember must be a positive int \(1, 2, 3, ...\) \(distinct k per rank\)"):
+        SpeedBalancer(remember=True)
     with pytest.raises(ValueError, match="heterogeneous must be True, False or a SpeedBalancer"):
         CrossbowStrategy(heterogeneous="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not apply to algorithm='gossip'"):

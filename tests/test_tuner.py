@@ -329,11 +329,13 @@ def test_the_tuner_needs_the_crossbow_strategy() -> None:
     ("kwargs", "message"),
     [
         ({"objective": "accuracy"}, "objective must be one of"),
-        ({"min_replicas": 0}, "min_replicas must be an int >= 1"),
-        ({"min_replicas": 4, "max_replicas": 2}, "max_replicas must be an int >= min_replicas=4"),
-        ({"window": 0}, "window must be an int >= 1"),
+        ({"min_replicas": 0}, "min_replicas must be a positive int"),
+        ({"min_replicas": 4, "max_replicas": 2}, r"max_replicas must be an int >= 4 \(min_replicas=4\), got 2"),
+        ({"window": 0}, "window must be a positive int"),
         ({"threshold": -0.1}, "threshold must be a number >= 0"),
-        ({"recheck_every": 0}, "recheck_every must be an int >= 1 or None"),
+        ({"threshold": True}, "threshold must be a number >= 0, got True"),
+        ({"threshold": float("inf")}, "threshold must be a number >= 0, got inf"),
+        ({"recheck_every": 0}, "recheck_every must be a positive int .* or None"),
         ({"climb": "binary"}, "climb must be one of"),
     ],
 )
