@@ -152,10 +152,11 @@ class Averaging(ABC):
         """Forms the corrections and moves z (or the learners)."""
 
     def state_dict(self) -> dict[str, Any]:
+        """What the rule measured during training, for checkpoints (nothing, for most rules)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restores what :meth:`state_dict` saved."""
 
 
 class SMA(Averaging):
@@ -169,6 +170,7 @@ class SMA(Averaging):
         self.central_momentum = central_momentum
 
     def alpha_for(self, num_learners: int) -> float:
+        """The alpha in use: the one given, or ``1/K``."""
         return self.alpha if self.alpha is not None else default_alpha(num_learners)
 
     @override

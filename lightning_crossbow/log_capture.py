@@ -76,6 +76,7 @@ class LogCapture:
                 logged.per_replica.append(call.value)
 
     def clear(self) -> None:
+        """Drops what was captured (the logs of an attempt that failed: a fused step, an out-of-memory step)."""
         self._logged.clear()
 
     def replay(self, module: Any) -> None:

@@ -190,6 +190,7 @@ class HeldRows:
 
     @torch.no_grad()
     def restore_(self) -> None:
+        """Puts the held rows back (their state created by the step: zero)."""
         for param in self.params:
             param[self.rows] = self.copies[(id(param), "")]
             for key, value in self.optimizer.state.get(param, {}).items():

@@ -50,6 +50,7 @@ class FlatBucket:
     corrections: Tensor  # (k, N), scratch: c_j = alpha (w_j - z) (SMA, EASGD) or d_j = w_j - z (scaled averaging)
 
     def slices(self) -> list[tuple[str, int, int, torch.Size]]:
+        """``(name, start, end, shape)`` of every parameter's span in the flat ``(N,)`` buffers."""
         return [
             (name, start, start + shape.numel(), shape)
             for name, start, shape in zip(self.names, self.offsets, self.shapes)
@@ -206,6 +207,7 @@ class ReplicaStack:
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
+        """The replicas, their buffers and z_prev, for checkpoints."""
         return {
             "num_replicas": self.num_replicas,
             "replicas": [b.replicas.detach().cpu().clone() for b in self.buckets],

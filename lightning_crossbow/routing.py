@@ -106,6 +106,7 @@ class RoutingPlan:
 
 
 def check_split(split: Sequence[int], ranks: Optional[int] = None) -> None:
+    """Raises unless ``split`` gives every rank (``ranks`` of them, when given) a positive number of learners."""
     if not split or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in split):
         raise ValueError(f"A split gives every rank a positive int number of learners, got {tuple(split)!r}.")
     if ranks is not None and len(split) != ranks:
@@ -127,10 +128,12 @@ class RoutedSampler(Sampler[int]):
         self.plan = plan
 
     def batches_per_epoch(self) -> int:
+        """Batches of the common order in one epoch (its last one short unless ``drop_last``)."""
         samples = len(self.order)  # type: ignore[arg-type]
         return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the order, whose shuffle depends on the epoch."""
         set_epoch = getattr(self.order, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
