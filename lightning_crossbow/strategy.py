@@ -925,6 +925,14 @@ class CrossbowStrategy(DDPStrategy):
         torch.distributed.all_gather_object(gathered, local)
         return gathered
 
+    def _gather_to_rank_zero(self, local: Any) -> Optional[list[Any]]:
+        """Every process's ``local`` (picklable), in rank order, on rank 0; None elsewhere. A collective."""
+        if self.world_size == 1:
+            return [local]
+        gathered: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
+        torch.distributed.gather_object(local, gathered, dst=0)
+        return gathered
+
     def _all_gather_rows(self, row: Tensor) -> Tensor:
         """:func:`all_gather_rows` through the root device (NCCL's collectives take CUDA tensors only), on the CPU."""
         return all_gather_rows(row.to(self.root_device)).cpu()
@@ -1069,7 +1077,7 @@ class CrossbowStrategy(DDPStrategy):
             "stack": self.stack.state_dict(),
             "optimizer": apply_to_collection(self.optimizers[0].state_dict(), Tensor, _cpu_copy),  # stacked
         }
-        ranks = self._gather_objects(local)
+        ranks = self._gather_to_rank_zero(local)  # only rank 0 writes checkpoints: the others hold their own alone
         return {
             "version": _CHECKPOINT_VERSION,
             "algorithm": self.algorithm,
