@@ -915,6 +915,8 @@ class CrossbowStrategy(DDPStrategy):
         CPU), as for the tuner (activations are not counted)."""
         assert self.stack is not None
         free = device_memory(self.root_device)["memory_free_bytes"]
+        if self.root_device.type == "cpu":
+            free /= max(self.num_processes, 1)  # the processes on this machine share its RAM
         return min(int(free // (2 * self.stack.state_bytes_per_replica())), 1 << 20)
 
     def _gather_objects(self, local: Any) -> list[Any]:

@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, Optional
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -426,3 +427,27 @@ def test_a_schedule_that_steps_every_step_is_warned_of_when_k_is_tuned() -> None
         trainer(strategy=CrossbowStrategy(replicas_per_device="auto"), max_epochs=1).fit(
             OneCycle(), loader(make_data(num_samples=32))
         )
+
+
+class _RoomSeen(L.Callback):
+    """The room for more learners this rank reports, were the machine shared by 1 or 4 processes."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        strategy = trainer.strategy
+        self.per_replica = strategy.stack.state_bytes_per_replica()
+        self.room = {}
+        for processes in (1, 4):
+            with mock.patch.object(type(strategy), "num_processes", property(lambda self: processes)):
+                self.room[processes] = strategy._room_for_learners()
+
+
+def test_the_room_for_more_replicas_on_cpu_shares_the_ram_among_the_machines_processes(monkeypatch) -> None:
+    """Each further replica must fit twice in the free RAM, which every process on the machine draws from."""
+    free = 10_000_000
+    monkeypatch.setattr("lightning_crossbow.strategy.device_memory", lambda device: {"memory_free_bytes": free})
+    seen = _RoomSeen()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), callbacks=[seen], max_steps=1).fit(
+        Classifier(), loader(make_data())
+    )
+    for processes in (1, 4):
+        assert seen.room[processes] == int(free / processes // (2 * seen.per_replica))
