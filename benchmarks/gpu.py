@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import shlex
+import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -87,7 +87,12 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", help="replicas per device to measure (overrides the default)")
     parser.add_argument("--bs", type=int, nargs="+", help="per-replica batch sizes to measure (overrides the default)")
     parser.add_argument("--steps", type=int, help="timed steps per run (default 50, or 20 with --quick)")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (at least 14: auto's trials)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="untimed steps first (14 or more keep engine=auto's trial steps out of the timing)",
+    )
     parser.add_argument("--out", type=Path, help="default: benchmarks/out/gpu.json (out/quick/ with --quick)")
     parser.add_argument("--markdown", type=Path, help="the table (default: benchmarks/GPU.md, full runs on CUDA only)")
     args = parser.parse_args()

@@ -65,7 +65,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     strategy = trainer.strategy
     k = strategy.replicas_per_device if isinstance(strategy, CrossbowStrategy) else 1
     counted = next(c for c in trainer.callbacks if isinstance(c, SamplesTrained)).samples
-    samples = float(strategy.reduce(torch.tensor(float(counted)), reduce_op="sum"))  # over the processes
+    counted_here = torch.tensor(float(counted), device=strategy.root_device)  # (NCCL reduces CUDA tensors only)
+    samples = float(strategy.reduce(counted_here, reduce_op="sum"))  # over the processes
     return {
         "strategy": type(strategy).__name__,
         "replicas_per_device": k,

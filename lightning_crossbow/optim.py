@@ -9,7 +9,7 @@ within a tensor (LBFGS, LARS, LAMB, Shampoo, Adafactor, ...) would mix replicas 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -74,24 +74,46 @@ def repoint_to_stack(optimizer: Optimizer, stacked: Mapping[int, Tensor], num_re
 
 
 @torch.no_grad()
-def central_state_dict(
-    optimizer: Optimizer, mean_over_replicas: Callable[[Tensor], Tensor] = lambda rows: rows.mean(0)
-) -> dict[str, Any]:
+def central_state_dict(optimizer: Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` as if it stepped the module's own parameters: every per-replica state
-    tensor (shaped like its stacked ``(k, *shape)`` parameter) becomes ``mean_over_replicas`` of its rows
-    (these replicas' mean; across processes, the strategy passes the mean over every process's replicas);
-    other state (Adam's ``step``...) and the hyper-parameters are kept. Plain Lightning, or any optimizer
-    over the module's parameters, loads it. The optimizer itself is not changed."""
+    tensor (shaped like its stacked ``(k, *shape)`` parameter) becomes its mean over the replicas; other
+    state (Adam's ``step``...) and the hyper-parameters are kept. Plain Lightning, or any optimizer over
+    the module's parameters, loads it. The optimizer itself is not changed."""
     state_dict = optimizer.state_dict()
     params = stacked_params(optimizer)
     for index, param in enumerate(params):
         entry = state_dict["state"].get(index)
         if entry is not None:  # a new dict: the entry is the optimizer's own
             state_dict["state"][index] = {
-                key: mean_over_replicas(value) if _is_per_element(key, value, param.shape) else value
+                key: value.mean(0) if _is_per_element(key, value, param.shape) else value
                 for key, value in entry.items()
             }
     return state_dict
+
+
+@torch.no_grad()
+def central_state_over_ranks(
+    central: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]], rows: Sequence[int]
+) -> dict[str, Any]:
+    """One process's :func:`central_state_dict` made the mean over the replicas of every process: ``ranks[r]``
+    is process ``r``'s stacked ``optimizer.state_dict()``, of ``rows[r]`` replicas. Per-replica state (tensors
+    of ``rows[r]`` rows) is summed over every process's rows and divided by ``sum(rows)``; a process with no
+    entry for a parameter (none of its replicas stepped it yet) counts as zero rows, as fresh state is. Shared
+    state (Adam's ``step``) and the hyper-parameters are the first process's."""
+    total = sum(rows)
+    state: dict[int, dict[str, Any]] = {}
+    for index in sorted({index for rank in ranks for index in rank["state"]}):
+        merged: dict[str, Any] = {}
+        summed: set[str] = set()
+        for rank, k in zip(ranks, rows):
+            for key, value in rank["state"].get(index, {}).items():
+                if isinstance(value, Tensor) and key not in SCALAR_STATE_KEYS and value.dim() and len(value) == k:
+                    merged[key] = value.sum(0) + merged[key] if key in merged else value.sum(0)
+                    summed.add(key)
+                else:
+                    merged.setdefault(key, value)
+        state[index] = {key: value / total if key in summed else value for key, value in merged.items()}
+    return {"state": state, "param_groups": central["param_groups"]}
 
 
 @torch.no_grad()

@@ -82,6 +82,7 @@ from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
     HeldRows,
     central_state_dict,
+    central_state_over_ranks,
     check_elementwise,
     clip_grad_norm_per_replica_,
     repoint_to_stack,
@@ -97,8 +98,9 @@ from lightning_crossbow.tuner import ReplicaAutoTuner
 from lightning_crossbow.validation import check_int, is_real
 
 #: An LR decrease between two consecutive steps counts as a "drop" (and resets the replicas to z
-#: when ``reset_on_lr_drop``) when the new LR is at most this fraction of the old: step and plateau
-#: schedules drop by 0.1-0.5 at once, a smooth (cosine, exponential) decay does not trigger it.
+#: when ``reset_on_lr_drop``) when the new LR is at most this fraction of the old one and the old one
+#: held for a step: step and plateau schedules drop by 0.1-0.5 at once after a plateau; a decay that
+#: changes the LR every step (cosine, exponential, per-step) does not trigger it, even where it is steep.
 LR_DROP_RATIO = 0.9
 
 _ONE_OPTIMIZER = (
@@ -243,6 +245,7 @@ class CrossbowStrategy(DDPStrategy):
         self._reads_gradients = False  # whether hooks read the module's gradients (set at set-up)
         self._mean_gradients: Optional[MeanGradients] = None
         self._last_lrs: Optional[list[float]] = None
+        self._lrs_before_last: Optional[list[float]] = None
         self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
         self._step_started: Optional[float] = None
@@ -415,7 +418,7 @@ class CrossbowStrategy(DDPStrategy):
             per_batch = MethodType(_on_before_batch_transfer, module)
             module._on_before_batch_transfer = per_batch  # type: ignore[method-assign]
         self._transfer_per_batch = any(is_overridden(hook, owner) for hook in _TRANSFER_HOOKS for owner in hooks_owners)
-        self._last_lrs = None
+        self._last_lrs = self._lrs_before_last = None
         self._final_state = None
 
     def _check_same_config_on_all_ranks(self) -> None:
@@ -530,17 +533,20 @@ class CrossbowStrategy(DDPStrategy):
             self._last_lrs is not None
             and self.reset_on_lr_drop
             and not self.averaging.learners_start_at_center  # (they are at z already)
-            and lr_dropped(lrs, self._last_lrs)
+            and lr_dropped(lrs, self._last_lrs, self._lrs_before_last)
         ):
             assert self.stack is not None
             if self.averaging.center_is_learner_mean:
                 # Gossip keeps no z while training: the learners meet at their mean on this process. No collective,
                 # so a drop that one process alone sees (a per-rank plateau metric) cannot leave the others waiting.
                 self.stack.gather_replicas_at_their_mean_()
+                rank_zero_info(
+                    f"crossbow: learning rate dropped to {lrs}; each process's learners reset to their mean."
+                )
             else:
                 self.stack.reset_replicas_(self.lightning_module)
-            rank_zero_info(f"crossbow: learning rate dropped to {lrs}; every replica reset to the central model.")
-        self._last_lrs = lrs
+                rank_zero_info(f"crossbow: learning rate dropped to {lrs}; every replica reset to the central model.")
+        self._last_lrs, self._lrs_before_last = lrs, self._last_lrs
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -1058,18 +1064,23 @@ class CrossbowStrategy(DDPStrategy):
             state = self._strategy_state() if self.stack is not None else self._final_state  # from every rank
             if state is not None:
                 checkpoint[_CHECKPOINT_KEY] = state
+            if state is not None and state["world_size"] > 1 and state["ranks"] is not None:  # (rank 0, which writes)
+                rows = state["split"] or (state["replicas_per_device"],) * state["world_size"]
+                ranks = [rank["optimizer"] for rank in state["ranks"]]
+                checkpoint["optimizer_states"] = [
+                    central_state_over_ranks(checkpoint["optimizer_states"][0], ranks, rows)
+                ]
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state over the module's own parameters (the mean over every replica of every process,
-        one all-reduce per state tensor): the checkpoint's ``optimizer_states`` resume in plain Lightning too, and
-        seed the replicas of a resume with another k or world size. Each rank's stacked state is kept beside it."""
+        """The optimizer's state over the module's own parameters, the mean over this process's replicas (the
+        checkpoint holds the mean over every process's, see :meth:`save_checkpoint`): the checkpoint's
+        ``optimizer_states`` resume in plain Lightning too, and seed the replicas of a resume with another k or
+        world size. Each rank's stacked state is kept beside it."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self.world_size == 1:
-            return central_state_dict(optimizer)
-        return central_state_dict(optimizer, lambda rows: all_reduce_sum_(rows.sum(0)).div_(self.num_learners))
+        return central_state_dict(optimizer)  # this process's; save_checkpoint makes it every process's
 
     def _strategy_state(self) -> dict[str, Any]:
         assert self.stack is not None
@@ -1087,6 +1098,7 @@ class CrossbowStrategy(DDPStrategy):
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
+            "lrs_before_last": self._lrs_before_last,
             "averaging": self.averaging.state_dict(),
             "ranks": ranks,
         }
@@ -1122,7 +1134,7 @@ class CrossbowStrategy(DDPStrategy):
             rank_state = state["ranks"][self.global_rank]
             optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
             self.stack.load_state_dict(rank_state["stack"])
-            self._last_lrs = state["last_lrs"]
+            self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self._center_stale = True
             return
         seeded = seed_stacked_state_(optimizer, saved_optimizer)
@@ -1131,7 +1143,7 @@ class CrossbowStrategy(DDPStrategy):
                 group.update({key: value for key, value in saved_group.items() if key != "params"})
         if state is not None:
             self.stack.load_state_dict(state["ranks"][0]["stack"], replicas=False)
-            self._last_lrs = state["last_lrs"]
+            self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
         where = (
             "a checkpoint without crossbow state"
             if state is None
@@ -1333,10 +1345,12 @@ def _warn_of_step_schedules_under_tuning(trainer: "pl.Trainer") -> None:
             )
 
 
-def lr_dropped(lrs: Sequence[float], last_lrs: Sequence[float]) -> bool:
-    """Whether a param group's learning rate fell to at most ``LR_DROP_RATIO`` of its last value (an lr held at 0
-    is no drop)."""
-    return any(new < old and new <= LR_DROP_RATIO * old for new, old in zip(lrs, last_lrs))
+def lr_dropped(lrs: Sequence[float], last_lrs: Sequence[float], lrs_before: Optional[Sequence[float]] = None) -> bool:
+    """Whether a param group's learning rate fell to at most ``LR_DROP_RATIO`` of its last value, which it had
+    held for a step (``lrs_before``, the values a step earlier; None: unknown, taken as held). An lr held at 0 is
+    no drop, and neither is a step of a decay that changes the lr every step."""
+    before = last_lrs if lrs_before is None else lrs_before
+    return any(new < old == prior and new <= LR_DROP_RATIO * old for new, old, prior in zip(lrs, last_lrs, before))
 
 
 def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) -> Tensor:

@@ -176,6 +176,7 @@ class ReplicaAutoTuner(Callback):
         """Starts at ``min_replicas`` at least (as far as the ceiling allows): no window is measured below it."""
         strategy = trainer.strategy
         k = strategy.tuned_replicas_per_device
+        self._room = strategy.replica_room()  # a collective: every rank starts training here
         start = min(self.min_replicas, self._ceiling(k, strategy))
         if self.chosen is None and k < start:
             strategy.set_replicas_per_device(start)  # (every rank, at the same point)

@@ -238,6 +238,25 @@ def test_a_crossbow_checkpoint_resumes_in_plain_lightning(tmp_path: Path) -> Non
     assert plain.global_step == 4 + 8  # crossbow's 4 steps, then one epoch of 8 plain steps
 
 
+def test_the_central_optimizer_state_is_the_mean_over_every_processs_replicas() -> None:
+    """Two processes of 2 and 1 replicas; the second never stepped parameter 1 (an unused branch): it counts
+    as a zero row, as fresh momentum is. Shared state (a step count) is the first process's."""
+    from lightning_crossbow.optim import central_state_over_ranks
+
+    generator = torch.Generator().manual_seed(0)
+    a0, a1, b0 = (torch.randn(2, 3, generator=generator), torch.randn(2, 4, generator=generator), torch.randn(1, 3))
+    step = torch.tensor(5.0)
+    ranks = [
+        {"state": {0: {"momentum_buffer": a0, "step": step}, 1: {"momentum_buffer": a1, "step": step}}},
+        {"state": {0: {"momentum_buffer": b0, "step": torch.tensor(9.0)}}},
+    ]
+    groups = [{"lr": 0.1, "params": [0, 1]}]
+    merged = central_state_over_ranks({"state": {}, "param_groups": groups}, ranks, rows=(2, 1))
+    torch.testing.assert_close(merged["state"][0]["momentum_buffer"], (a0.sum(0) + b0[0]) / 3)
+    torch.testing.assert_close(merged["state"][1]["momentum_buffer"], a1.sum(0) / 3)
+    assert merged["state"][0]["step"] is step and merged["param_groups"] is groups
+
+
 def test_a_weights_only_checkpoint_holds_no_crossbow_state(tmp_path: Path) -> None:
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
     fit.fit(Classifier(), loader(make_data(num_samples=32)))

@@ -180,12 +180,14 @@ def test_replicas_reset_to_z_when_the_learning_rate_drops(reset: bool, algorithm
         assert model.spread[1] > 0.0 and model.spread[2] > 0.0
 
 
-def test_an_lr_drop_is_a_fall_to_at_most_nine_tenths_and_an_lr_held_at_zero_is_none() -> None:
+def test_an_lr_drop_is_a_fall_to_at_most_nine_tenths_after_a_plateau() -> None:
     from lightning_crossbow.strategy import lr_dropped
 
     assert lr_dropped([0.05], [0.1]) and lr_dropped([0.09], [0.1]) and lr_dropped([0.1, 0.0], [0.1, 0.1])
     assert not lr_dropped([0.095], [0.1]) and not lr_dropped([0.2], [0.1])
     assert not lr_dropped([0.0], [0.0])  # a warm-up starting at 0, or a schedule that holds 0: no reset per step
+    assert lr_dropped([0.05], [0.1], [0.1])  # a step schedule: a plateau, then a drop
+    assert not lr_dropped([0.05], [0.1], [0.15])  # the steep tail of a cosine: the lr changed the step before too
 
 
 class _Plateau(Classifier):

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import pytest
 import lightning as L
+import pytest
 import torch
 import torchmetrics
 from torch import nn

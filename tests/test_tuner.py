@@ -280,7 +280,7 @@ def test_the_tuner_counts_batches_where_the_batch_size_is_unknown(tmp_path) -> N
 
 @pytest.mark.parametrize("objective", ["throughput", "progress"])
 def test_no_window_is_measured_below_min_replicas(tmp_path, objective: str) -> None:
-    tuner, fit = tuned_fit(tmp_path, max_steps=60, objective=objective, min_replicas=3)
+    tuner, _ = tuned_fit(tmp_path, max_steps=60, objective=objective, min_replicas=3)
     measured = [record.replicas_per_device for record in tuner.history]
     assert measured and min(measured) == 3
     assert tuner.chosen is None or tuner.chosen >= 3
