@@ -147,7 +147,7 @@ class Averaging(ABC):
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
-        step: StepContext,
+        context: StepContext,
     ) -> None:
         """Forms the corrections and moves z (or the learners)."""
 
@@ -183,11 +183,11 @@ class SMA(Averaging):
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
-        step: StepContext,
+        context: StepContext,
     ) -> None:
         for bucket in buckets:
             apply_corrections_(bucket.replicas, bucket.corrections)
-            correction_sum = sum_corrections(bucket, step.all_reduce_sum, step.dropped, step.learner_weights)
+            correction_sum = sum_corrections(bucket, context.all_reduce_sum, context.dropped, context.learner_weights)
             update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
 
 
@@ -266,25 +266,25 @@ class ScaledAveraging(Averaging):
         self.signal = beta * self.signal + (1 - beta) * signal
         self.steps_measured += 1
 
-    def _sum_steps(self, buckets: Sequence[FlatBucket], step: StepContext) -> tuple[list[Tensor], Optional[Tensor]]:
+    def _sum_steps(self, buckets: Sequence[FlatBucket], context: StepContext) -> tuple[list[Tensor], Optional[Tensor]]:
         """``sum_j K p_j d_j`` per bucket over every process and, for ``"adaptive"``, the statistics of
         :meth:`_local_statistics` over every process. One all-reduce per bucket: the statistics ride in the
         first float32 or float64 bucket's (a 2-element all-reduce of their own only when every bucket is 16-bit)."""
-        adaptive = self.outer_lr == "adaptive" and step.num_learners > 1  # (one learner: no spread to measure)
+        adaptive = self.outer_lr == "adaptive" and context.num_learners > 1  # (one learner: no spread to measure)
         wide = [i for i, b in enumerate(buckets) if b.corrections.dtype in (torch.float32, torch.float64)]
         rider = wide[0] if adaptive and wide else None
         local = []
         for i, bucket in enumerate(buckets):
             torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
             spare = 2 if i == rider else 0
-            local.append(local_correction_sum(bucket, step.dropped, step.learner_weights, spare))
+            local.append(local_correction_sum(bucket, context.dropped, context.learner_weights, spare))
         if not adaptive:
-            return [step.all_reduce_sum(total) for total in local], None
-        statistics = self._local_statistics(buckets, step.dropped)
+            return [context.all_reduce_sum(total) for total in local], None
+        statistics = self._local_statistics(buckets, context.dropped)
         if rider is None:
-            return [step.all_reduce_sum(total) for total in local], step.all_reduce_sum(statistics)
+            return [context.all_reduce_sum(total) for total in local], context.all_reduce_sum(statistics)
         local[rider][-2:] = statistics
-        sums = [step.all_reduce_sum(total) for total in local]
+        sums = [context.all_reduce_sum(total) for total in local]
         statistics = sums[rider][-2:].double()
         sums[rider] = sums[rider][:-2]
         return sums, statistics
@@ -293,20 +293,20 @@ class ScaledAveraging(Averaging):
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
-        step: StepContext,
+        context: StepContext,
     ) -> None:
-        sums, statistics = self._sum_steps(buckets, step)
-        num_learners = step.num_learners
+        sums, statistics = self._sum_steps(buckets, context)
+        num_learners = context.num_learners
         if self.outer_lr == "adaptive":
             if statistics is not None:
                 self._measure(statistics, sums)
             target = gain_ratio(self.noise, self.signal, num_learners)  # the averages' common bias cancels
         elif self.outer_lr == "linear":
-            adaptive = isinstance(step.optimizer, ADAPTIVE_OPTIMIZERS)
+            adaptive = isinstance(context.optimizer, ADAPTIVE_OPTIMIZERS)
             target = math.sqrt(num_learners) if adaptive else float(num_learners)
         else:
             target = float(self.outer_lr)
-        self.last_eta = eta = warmed_up(target, step.epochs_done, self.warmup_epochs)
+        self.last_eta = eta = warmed_up(target, context.epochs_done, self.warmup_epochs)
         for bucket, correction_sum in zip(buckets, sums):
             update_center_(
                 bucket.center, bucket.center_prev, correction_sum.mul_(eta / num_learners), self.central_momentum
@@ -356,17 +356,17 @@ class Gossip(Averaging):
     def after_local_step(
         self,
         buckets: Sequence[FlatBucket],
-        step: StepContext,
+        context: StepContext,
     ) -> None:
-        shift = self.shift(step.step, step.num_learners)
+        shift = self.shift(context.step, context.num_learners)
         if shift == 0:
             return
         for bucket in buckets:
             rows = bucket.replicas
-            peers = step.pull_rows(rows, shift)
+            peers = context.pull_rows(rows, shift)
             own_ok, peer_ok = rows.isfinite().all(1, keepdim=True), peers.isfinite().all(1, keepdim=True)
-            if step.dropped is not None:
-                own_ok &= ~step.dropped.unsqueeze(1)
+            if context.dropped is not None:
+                own_ok &= ~context.dropped.unsqueeze(1)
             if bool(own_ok.all()) and bool(peer_ok.all()):
                 rows.add_(peers).mul_(0.5)
             else:  # a diverged learner takes its peer's weights, and nobody mixes in a diverged peer
