@@ -778,56 +778,22 @@ class CrossbowStrategy(DDPStrategy):
         model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
+        """The user's optimizer steps every replica (:meth:`_local_step`), then the averaging rule brings the
+        replicas and z together; replicas left out of the step (diverged, or skipped) restart afterwards."""
         assert self.stack is not None
-
-        self._engine_trial_step = self.engine is not None and self.engine.measuring
-        held: Optional[HeldRows] = None
-
-        def closure_then_corrections() -> Any:
-            # The optimizer runs this before it updates anything: after the replicas' forward and
-            # backward (which may have changed k, see _back_off), the weights are still the pre-step w_j.
-            nonlocal held
-            with self.engine.timed():  # an engine="auto" that is still measuring times forward and backward
-                result = closure()
-            if self._step_skipped is not None and bool(self._step_skipped.any()):
-                held = HeldRows(optimizer, self._step_skipped)  # replicas that skipped sit the update out
-            self.averaging.before_local_step(self.stack.buckets, self.num_learners)
-            return result
-
-        output = self.precision_plugin.optimizer_step(
-            optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
-        )
-        if held is not None:
-            held.restore_()
-        self._gradients_pending = False
+        output = self._local_step(optimizer, closure, model, **kwargs)
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
         if skipped is not None and self.world_size == 1 and diverged is None and bool(skipped.all()):
             self._measure_throughput()  # every learner skipped: nothing moves (not z, nor its momentum)
             return output
-        dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
         window_done = False
         if self.balancer is not None:
             self._wait_for_device()
             window_done = self.balancer.work_done()
-        step = StepContext(
-            num_learners=self.num_learners,
-            step=self.lightning_module.trainer.global_step,
-            epochs_done=self._epochs_done(),
-            optimizer=optimizer,
-            all_reduce_sum=all_reduce_sum_,
-            pull_rows=pull_rows,
-            dropped=dropped,
-            learner_weights=self._learner_weights(),
-        )
-        with torch.no_grad(), self._averaging_stream():
-            self.averaging.after_local_step(self.stack.buckets, step)
-        if diverged is not None:
-            if not self.averaging.center_is_learner_mean:  # (gossip's learners took their peers' weights)
-                self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
-            reset_state_rows_(optimizer, diverged)
-        if skipped is not None and not self.averaging.center_is_learner_mean:
-            self.stack.reset_replicas_(self.lightning_module, skipped, buffers=False)  # sat the step out: from z
+        dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
+        self._average(optimizer, dropped)
+        self._restart_left_out(optimizer, diverged, skipped)
         self._center_stale = True
         if self.averaging.center_is_learner_mean and self._ends_an_epoch():
             self.sync_center()  # epoch-end callbacks and on_train_end read z directly
@@ -838,6 +804,65 @@ class CrossbowStrategy(DDPStrategy):
             self.balancer.sync_done()
         self._measure_throughput()
         return output
+
+    def _local_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]],
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's optimizer step (through the precision plugin) on the stacked replicas. Its closure runs
+        the replicas' forward and backward and then the rule's pre-step work, while the weights are still the
+        pre-step ``w_j``; replicas whose ``training_step`` skipped are held out of the update."""
+        assert self.stack is not None and self.engine is not None
+        self._engine_trial_step = self.engine.measuring
+        held: Optional[HeldRows] = None
+
+        def closure_then_corrections() -> Any:
+            nonlocal held
+            with self.engine.timed():  # an engine="auto" that is still measuring times forward and backward
+                result = closure()  # (the forward and backward may change k, see _back_off)
+            if self._step_skipped is not None and bool(self._step_skipped.any()):
+                held = HeldRows(optimizer, self._step_skipped)
+            self.averaging.before_local_step(self.stack.buckets, self.num_learners)
+            return result
+
+        output = self.precision_plugin.optimizer_step(
+            optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
+        )
+        if held is not None:
+            held.restore_()
+        self._gradients_pending = False
+        return output
+
+    def _average(self, optimizer: Optimizer, dropped: Optional[Tensor]) -> None:
+        """The rule's update after the local step, on the averaging stream when the replicas run on streams;
+        ``dropped`` learners add nothing to it."""
+        assert self.stack is not None
+        context = StepContext(
+            num_learners=self.num_learners,
+            step=self.lightning_module.trainer.global_step,
+            epochs_done=self._epochs_done(),
+            optimizer=optimizer,
+            all_reduce_sum=all_reduce_sum_,
+            pull_rows=pull_rows,
+            dropped=dropped,
+            learner_weights=self._learner_weights(),
+        )
+        with torch.no_grad(), self._averaging_stream():
+            self.averaging.after_local_step(self.stack.buckets, context)
+
+    def _restart_left_out(self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor]) -> None:
+        """Diverged replicas restart from z with fresh optimizer state; replicas that skipped, from z. (Gossip's
+        left-out learners already took their peers' weights.)"""
+        assert self.stack is not None
+        if diverged is not None:
+            if not self.averaging.center_is_learner_mean:
+                self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
+            reset_state_rows_(optimizer, diverged)
+        if skipped is not None and not self.averaging.center_is_learner_mean:
+            self.stack.reset_replicas_(self.lightning_module, skipped, buffers=False)
 
     def _expose_mean_gradients(self) -> None:
         """While the module or a callback reads gradients (its own ``on_after_backward`` or
