@@ -10,7 +10,7 @@ replica the gradient of its own loss, in the stack's ``.grad``.
 - :class:`SequentialEngine`: a Python loop over the replicas; runs any ``training_step``.
 - :class:`StreamsEngine`: the sequential loop with each replica's work on its own CUDA stream
   (:mod:`~lightning_crossbow.streams`), so that the replicas' kernels can run side by side on the GPU.
-- :class:`AutoEngine`: fused, falling back to sequential for good (with one warning naming the
+- :class:`FusedOrSequentialEngine`: fused, falling back to sequential for good (with one warning naming the
   reason) the first time the user's ``training_step`` cannot run under ``vmap``.
 - :class:`FastestEngine`: times candidate engines for a few steps and keeps the fastest (``"auto"`` on
   CUDA: fused against streams).
@@ -316,7 +316,7 @@ class FusedEngine(Engine):
         return ReplicaStepOutput(losses.sum(), losses.detach(), extras, returned_dict[0])
 
 
-class AutoEngine(Engine):
+class FusedOrSequentialEngine(Engine):
     """Fused; on the first failure of the user's ``training_step`` under ``vmap``, sequential for good.
 
     Every fused step is guarded, not only the first: code that ``vmap`` cannot run may appear at any step
@@ -510,7 +510,7 @@ def make_engine(
         return SequentialEngine(module)
     if name == "fused":
         return FusedEngine(module)
-    fused: Engine = SequentialEngine(module) if fused_failed else AutoEngine(module)
+    fused: Engine = SequentialEngine(module) if fused_failed else FusedOrSequentialEngine(module)
     if streams is None:
         return fused
     return FastestEngine(

@@ -281,14 +281,14 @@ def test_heterogeneous_mode_keeps_auto_as_fused_without_timing_streams(monkeypat
     spy = EngineSpy()
     strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
     trainer(strategy=strategy, callbacks=[spy], max_epochs=1).fit(Classifier(), loader(make_data(num_samples=96)))
-    assert type(spy.engine).__name__ == "AutoEngine"
+    assert type(spy.engine).__name__ == "FusedOrSequentialEngine"
 
 
 def test_make_engine_without_a_pool_refuses_streams_and_keeps_auto_as_fused_with_fallback() -> None:
     module = Classifier()
     with pytest.raises(ValueError, match="engine='streams' runs every replica on its own CUDA stream"):
         make_engine("streams", module, 2)
-    assert type(make_engine("auto", module, 2)).__name__ == "AutoEngine"
+    assert type(make_engine("auto", module, 2)).__name__ == "FusedOrSequentialEngine"
     assert type(make_engine("auto", module, 2, fused_failed=True)).__name__ == "SequentialEngine"
     assert type(make_engine("auto", module, 1, HostStreamPool())).__name__ == "SequentialEngine"
     known = make_engine("auto", module, 2, HostStreamPool(), fastest="streams")
