@@ -356,7 +356,7 @@ class CrossbowStrategy(DDPStrategy):
                 " manual optimization the training_step steps the optimizer itself, so crossbow cannot run it"
                 " once per replica nor apply the model averaging after every replica's step."
             )
-        if self._layer_sync is not None:
+        if fitting and self._layer_sync is not None:  # (evaluation uses running statistics: nothing to sync)
             raise ValueError(
                 "crossbow does not support Trainer(sync_batchnorm=True): each replica keeps its own BatchNorm"
                 " statistics and z gets their mean over every replica of every process, so there is nothing to"
@@ -395,6 +395,7 @@ class CrossbowStrategy(DDPStrategy):
             {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
             self.replicas_per_device,
         )
+        self._fastest_engine.clear()  # (a new fit may train another model: its engines are measured afresh)
         self.engine = self._make_engine(self.replicas_per_device)
         self._reads_gradients = hooks_read_gradients(module, trainer.callbacks)
         self._expose_mean_gradients()

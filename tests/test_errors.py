@@ -152,10 +152,11 @@ def test_strategy_and_accelerator_names_are_registered() -> None:
     assert t.strategy.root_device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_sync_batchnorm_is_refused_with_the_reason() -> None:
+def test_sync_batchnorm_is_refused_for_training_with_the_reason() -> None:
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), sync_batchnorm=True)
     with pytest.raises(ValueError, match=r"does not support Trainer\(sync_batchnorm=True\): each replica keeps"):
         fit.fit(Classifier(), loader(make_data()))
+    fit.validate(Classifier(), loader(make_data()))  # evaluation uses the running statistics: nothing to refuse
 
 
 def test_the_accelerators_device_stats_add_to_lightnings_own() -> None:
