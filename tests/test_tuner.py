@@ -451,3 +451,24 @@ def test_the_room_for_more_replicas_on_cpu_shares_the_ram_among_the_machines_pro
     )
     for processes in (1, 4):
         assert seen.room[processes] == int(free / processes // (2 * seen.per_replica))
+
+
+class _GroupSizes(L.Callback):
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.sizes.append(len(batch))
+
+
+def test_min_replicas_starts_no_higher_than_the_free_memory_allows(monkeypatch) -> None:
+    """Free memory for one more replica only (each must fit twice): min_replicas=4 starts at k=2, not 4."""
+    per_replica = 5 * 4 * sum(p.numel() for p in Classifier().parameters())  # ReplicaStack.state_bytes_per_replica
+    monkeypatch.setattr(
+        "lightning_crossbow.strategy.device_memory", lambda device: {"memory_free_bytes": 2.5 * per_replica}
+    )
+    sizes = _GroupSizes()
+    tuner = ReplicaAutoTuner(min_replicas=4, max_replicas=8, window=2, warmup=0, plot=False)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner, sizes], max_steps=3)
+    fit.fit(Classifier(), loader(make_data(num_samples=192)))
+    assert sizes.sizes[0] == 2
