@@ -334,16 +334,17 @@ class FusedOrSequentialEngine(Engine):
         self.active: Engine = self.fused
         self._metrics = _metrics_of(module)  # walked once: a step only copies their attributes
         self._saved_buffers: list[Tensor] = []
+        self._saved_for: Optional[tuple[int, int]] = None  # (the stack, its k) the saved buffers are shaped for
 
     def _save_buffers(self, stack: ReplicaStack) -> list[Tensor]:
         """Copies the replicas' buffers, in ``stack.buffers`` order, into tensors kept from step to step: one
-        foreach copy per step (allocated again only when the buffers change, as when k does)."""
+        foreach copy per step (allocated again only for another stack or k, the only things that reshape them)."""
         buffers = list(stack.buffers.values())
-        saved = self._saved_buffers
-        if [(b.shape, b.dtype, b.device) for b in saved] != [(b.shape, b.dtype, b.device) for b in buffers]:
+        if self._saved_for != (id(stack), stack.num_replicas):
             self._saved_buffers = [b.detach().clone() for b in buffers]
+            self._saved_for = (id(stack), stack.num_replicas)
         elif buffers:
-            torch._foreach_copy_(saved, buffers)
+            torch._foreach_copy_(self._saved_buffers, buffers)
         return self._saved_buffers
 
     @override
@@ -374,7 +375,7 @@ class FusedOrSequentialEngine(Engine):
                 stacklevel=2,
             )
             self.active = self.sequential
-            self._saved_buffers = []
+            self._saved_buffers, self._saved_for = [], None
             return self.sequential.run(stack, batches, args, capture)
         return output
 

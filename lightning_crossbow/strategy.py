@@ -633,7 +633,7 @@ class CrossbowStrategy(DDPStrategy):
         length, k = loader_length(self._grouped.loader), self._grouped.num_replicas
         if length is not None and skips_over_a_tenth(length, k):
             rank_zero_warn(
-                f"crossbow: with replicas_per_device={k} the last {length % k} of the"
+                f"crossbow: with replicas_per_device={k} the last {self._grouped.dropped_batches()} of the"
                 f" {length} batches of every epoch do not fill a step and are skipped."
             )
 
