@@ -6,7 +6,8 @@ and buffers swapped for that replica's slice of the :class:`~lightning_crossbow.
 replica the gradient of its own loss, in the stack's ``.grad``.
 
 - :class:`FusedEngine`: one batched computation over the stack with ``torch.func.vmap``
-  (``randomness="different"``: dropout draws differ per replica).
+  (``randomness="different"``: dropout draws differ per replica); on CPU its ``nn.Conv1d`` layers run as one
+  batched matrix product over the replicas (:mod:`~lightning_crossbow.fused_layers`).
 - :class:`SequentialEngine`: a Python loop over the replicas; runs any ``training_step``.
 - :class:`StreamsEngine`: the sequential loop with each replica's work on its own CUDA stream
   (:mod:`~lightning_crossbow.streams`), so that the replicas' kernels can run side by side on the GPU.
@@ -34,6 +35,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
+from lightning_crossbow.fused_layers import fused_layers
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import ReplicaStack
 from lightning_crossbow.streams import StreamPool
@@ -304,9 +306,10 @@ class FusedEngine(Engine):
                 raise NotFusableError("training_step returned a dict with non-tensor values")
             return loss, extra, logged
 
-        losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
-            _prefixed(stack.params), _prefixed(stack.buffers), batch
-        )
+        with fused_layers(self.module, device):
+            losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
+                _prefixed(stack.params), _prefixed(stack.buffers), batch
+            )
         capture.add_stacked(recorded, logged)
         if skipped_all[0]:
             k = stack.num_replicas

@@ -1,0 +1,163 @@
+"""The fused Conv1d: the same values as vmap's own rule, taken only where it applies, and restored afterwards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_crossbow import CrossbowStrategy
+from lightning_crossbow import fused_layers as fl
+from tests.helpers import ReplicaSnapshot, trainer
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The input shapes that reached the fused convolution."""
+    calls: list[tuple[int, ...]] = []
+    original = fl.conv1d_over_replicas
+
+    def counted(input: Tensor, *args: Any) -> Tensor:
+        calls.append(tuple(input.shape))
+        return original(input, *args)
+
+    monkeypatch.setattr(fl, "conv1d_over_replicas", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("channels", "stride", "padding", "bias"), [(1, 1, 0, True), (3, 2, 1, True), (4, 3, 2, False)]
+)
+def test_conv1d_over_replicas_is_each_replicas_own_convolution(
+    channels: int, stride: int, padding: int, bias: bool
+) -> None:
+    torch.manual_seed(0)
+    k, n, out_channels, taps, length = 3, 5, 6, 3, 17
+    x = torch.randn(k, n, channels, length)
+    w = torch.randn(k, out_channels, channels, taps)
+    b = torch.randn(k, out_channels) if bias else None
+    out = fl.conv1d_over_replicas(x, w, b, stride, padding)
+    for j in range(k):
+        expected = nn.functional.conv1d(x[j], w[j], None if b is None else b[j], stride=stride, padding=padding)
+        torch.testing.assert_close(out[j], expected)
+    assert out.is_contiguous()
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(2, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(4, 4, 3, bias=False),
+        nn.Flatten(),
+        nn.Linear(20, 3),
+    )
+
+
+def _losses_and_grads(net: nn.Module, params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, list[Tensor]]:
+    def loss(p: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(functional_call(net, p, (xb,)), yb)
+
+    losses = vmap(loss)(params, x, y)
+    return losses.detach(), list(torch.autograd.grad(losses.sum(), list(params.values())))
+
+
+def test_under_vmap_the_fused_layers_give_vmaps_values_and_gradients(fused_calls: list[tuple[int, ...]]) -> None:
+    net, k = _net(), 4
+    params = {name: p.detach().expand(k, *p.shape).clone().requires_grad_() for name, p in net.named_parameters()}
+    params = {name: p + 0.1 * torch.randn_like(p) for name, p in params.items()}  # replicas that differ
+    x, y = torch.randn(k, 5, 2, 13), torch.randint(0, 3, (k, 5))
+    expected = _losses_and_grads(net, params, x, y)
+    with fl.fused_layers(net, CPU):
+        actual = _losses_and_grads(net, params, x, y)
+    assert fused_calls == [(k, 5, 2, 13), (k, 5, 4, 7)]  # both convolutions took the fused form
+    torch.testing.assert_close(actual[0], expected[0])
+    for a, b in zip(actual[1], expected[1], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Conv1d(4, 4, 3, groups=2),
+        nn.Conv1d(4, 4, 3, dilation=2),
+        nn.Conv1d(4, 4, 3, padding="same"),
+        nn.Conv1d(4, 4, 3, padding=1, padding_mode="circular"),
+    ],
+    ids=["groups", "dilation", "same", "circular"],
+)
+def test_other_convolutions_keep_vmaps_rule(layer: nn.Conv1d, fused_calls: list[tuple[int, ...]]) -> None:
+    params = {name: torch.randn(3, *p.shape) for name, p in layer.named_parameters()}
+    x = torch.randn(3, 2, 4, 11)
+    expected = vmap(lambda p, xb: functional_call(layer, p, (xb,)))(params, x)
+    with fl.fused_layers(layer, CPU):
+        actual = vmap(lambda p, xb: functional_call(layer, p, (xb,)))(params, x)
+    assert fused_calls == []
+    torch.testing.assert_close(actual, expected)
+
+
+def test_calls_outside_vmap_and_shared_weights_run_conv1ds_own_code(fused_calls: list[tuple[int, ...]]) -> None:
+    net = _net()
+    x = torch.randn(5, 2, 13)
+    with torch.no_grad(), fl.fused_layers(net, CPU):
+        plain = net(x)
+        shared = vmap(net)(x.expand(3, *x.shape))  # weights not batched: nothing to fuse
+        unbatched_input = net[0](x[0])  # (c, L): one sample
+    assert fused_calls == []
+    with torch.no_grad():
+        torch.testing.assert_close(plain, net(x))
+        torch.testing.assert_close(shared[1], net(x))
+        torch.testing.assert_close(unbatched_input, net[0](x[0]))
+
+
+def test_the_layers_are_restored_on_exit_and_on_error_and_left_alone_off_cpu() -> None:
+    net = _net()
+    convolutions = [m for m in net.modules() if isinstance(m, nn.Conv1d)]
+    with fl.fused_layers(net, CPU):
+        assert all("_conv_forward" in vars(m) for m in convolutions)
+    assert not any("_conv_forward" in vars(m) for m in convolutions)
+    with pytest.raises(RuntimeError, match="boom"), fl.fused_layers(net, CPU):
+        raise RuntimeError("boom")
+    assert not any("_conv_forward" in vars(m) for m in convolutions)
+    with fl.fused_layers(net, torch.device("cuda")):  # (nothing runs on it: only the device type is read)
+        assert not any("_conv_forward" in vars(m) for m in convolutions)
+
+
+class ConvClassifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_the_fused_engine_trains_a_conv1d_model_as_the_sequential_engine_does(
+    fused_calls: list[tuple[int, ...]],
+) -> None:
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(48, 2, 13, generator=generator), torch.randint(0, 3, (48,), generator=generator))
+    results = {}
+    for engine in ("fused", "sequential"):
+        snapshot = ReplicaSnapshot()
+        model = ConvClassifier()
+        trainer(
+            strategy=CrossbowStrategy(replicas_per_device=3, engine=engine), max_epochs=2, callbacks=[snapshot]
+        ).fit(model, DataLoader(data, batch_size=4))
+        results[engine] = (dict(model.named_parameters()), snapshot.params)
+    assert len(fused_calls) == 2 * 2 * 4  # two layers, every step of both epochs
+    for name, value in results["fused"][0].items():
+        torch.testing.assert_close(value, results["sequential"][0][name], rtol=1e-5, atol=1e-6)
+    for name, value in results["fused"][1].items():
+        torch.testing.assert_close(value, results["sequential"][1][name], rtol=1e-5, atol=1e-6)
