@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
+from lightning_crossbow.fused_layers import fusable_layers, fused_layers  # noqa: E402
 
 
 class StepTimer(L.Callback):
@@ -101,19 +102,21 @@ def kernel_samples_per_second(k: int, batch_size: int, steps: int, warmup: int, 
     """What PyTorch's kernels allow, outside Lightning and crossbow: samples/s of the bare forward, backward and SGD
     step (momentum 0.9) of the MNIST-1D CNN on random data. ``fused=False``: one model on batches of
     ``k * batch_size``; ``fused=True``: ``k`` models stacked and run under ``torch.func.vmap``, each on its own
-    ``batch_size``, as the fused engine runs them (on CPU ``vmap`` makes every convolution a grouped one)."""
+    ``batch_size``, as the fused engine runs them on CPU (its Conv1d layers fused, :mod:`lightning_crossbow.fused_layers`)."""
     torch.manual_seed(0)
     net = conv1d_net(40, 10)
     inputs, targets = torch.randn(k, batch_size, 40), torch.randint(0, 10, (k, batch_size))
     if fused:
         stacked = {name: p.detach().expand(k, *p.shape).clone().requires_grad_() for name, p in net.named_parameters()}
         parameters = list(stacked.values())
+        layers = fusable_layers(net, torch.device("cpu"))
 
         def loss_of(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.cross_entropy(torch.func.functional_call(net, params, (x,)), y)
 
         def losses() -> torch.Tensor:
-            return torch.func.vmap(loss_of)(stacked, inputs, targets).sum()
+            with fused_layers(layers):
+                return torch.func.vmap(loss_of)(stacked, inputs, targets).sum()
     else:
         parameters = list(net.parameters())
         inputs, targets = inputs.reshape(k * batch_size, 40), targets.reshape(-1)

@@ -35,7 +35,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
-from lightning_crossbow.fused_layers import fused_layers
+from lightning_crossbow.fused_layers import fusable_layers, fused_layers
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import ReplicaStack
 from lightning_crossbow.streams import StreamPool
@@ -266,6 +266,7 @@ class FusedEngine(Engine):
         super().__init__(module)
         self.sequential = SequentialEngine(module)  #: for groups whose batches cannot be stacked
         self._autocast_warned = False
+        self._fused_layers: Optional[list[nn.Module]] = None  #: the layers run fused (found at the first step)
 
     def _warn_if_autocast(self, device: torch.device) -> None:
         """Mixed precision under vmap is partial: say so once."""
@@ -306,7 +307,9 @@ class FusedEngine(Engine):
                 raise NotFusableError("training_step returned a dict with non-tensor values")
             return loss, extra, logged
 
-        with fused_layers(self.module, device):
+        if self._fused_layers is None:
+            self._fused_layers = fusable_layers(self.module, device)
+        with fused_layers(self._fused_layers):
             losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
                 _prefixed(stack.params), _prefixed(stack.buffers), batch
             )

@@ -13,7 +13,7 @@ model at b=128: 4.3 ms; medians of 25 interleaved runs, 2 CPU threads). For repl
     Y_j = \\mathrm{cols}(x_j) \\, W_j^\\top + b_j
 
 with ``cols(x_j)[(n, l), (c, t)] = x_j^pad[n, c, s l + t]`` (im2col, a view of the padded input):
-one ``baddbmm`` over the replicas. :func:`fused_layers` routes the module's own ``nn.Conv1d`` layers
+one ``baddbmm`` over the replicas. The fused engine routes the module's own ``nn.Conv1d`` layers
 to it while the fused engine runs them under ``vmap``, and only where the call is the plain case
 (``groups=1``, ``dilation=1``, zero padding given as a number, weights batched over the replicas);
 every other call, and every call outside ``vmap``, runs ``nn.Conv1d``'s own code. Only on CPU: on
@@ -25,7 +25,7 @@ uses); where a PyTorch release lacks them, the layers are left to ``vmap``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -94,11 +94,16 @@ def _fusable(layer: nn.Module) -> bool:
     )
 
 
+def fusable_layers(module: nn.Module, device: torch.device) -> list[nn.Module]:
+    """The layers of ``module`` that :func:`fused_layers` fuses on ``device``: the plain-case ``nn.Conv1d`` layers
+    on CPU (none elsewhere, or without the functorch functions)."""
+    return [m for m in module.modules() if _fusable(m)] if _AVAILABLE and device.type == "cpu" else []
+
+
 @contextmanager
-def fused_layers(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """While active, ``module``'s fusable ``nn.Conv1d`` layers run as :func:`conv1d_over_replicas` under ``vmap``
-    (on CPU; elsewhere, or without the functorch functions, nothing changes). Restored on exit."""
-    layers = [m for m in module.modules() if _fusable(m)] if _AVAILABLE and device.type == "cpu" else []
+def fused_layers(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """While active, ``layers`` (from :func:`fusable_layers`) run as :func:`conv1d_over_replicas` when ``vmap``
+    batches their weights over the replicas, and as themselves otherwise. Restored on exit."""
     for layer in layers:
         layer._conv_forward = _fused_conv1d.__get__(layer)  # type: ignore[method-assign]
     try:
