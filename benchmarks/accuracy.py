@@ -56,7 +56,12 @@ class Workload:
 
 WORKLOADS = {
     "mnist1d": Workload(
-        "mnist1d", lambda b, seed: MNIST1D(batch_size=b, val_fraction=0.0, seed=seed), lambda: conv1d_net(40, 10), 0.02, 0.90, 40
+        "mnist1d",
+        lambda b, seed: MNIST1D(batch_size=b, val_fraction=0.0, seed=seed),
+        lambda: conv1d_net(40, 10),
+        0.02,
+        0.90,
+        40,
     ),
     "digits": Workload(
         "digits", lambda b, seed: Digits(batch_size=b, val_fraction=0.0, seed=seed), lambda: mlp(64, 10), 0.05, 0.95, 40
@@ -103,12 +108,14 @@ class TestAccuracyCurve(L.Callback):
                 total += len(y)
         pl_module.train(was_training)
         accuracy = correct / total
-        self.curve.append({
-            "epoch": trainer.current_epoch + 1,
-            "wall_s": self._train_seconds,
-            "test_acc": accuracy,
-            "replicas_per_device": getattr(strategy, "replicas_per_device", 1),
-        })
+        self.curve.append(
+            {
+                "epoch": trainer.current_epoch + 1,
+                "wall_s": self._train_seconds,
+                "test_acc": accuracy,
+                "replicas_per_device": getattr(strategy, "replicas_per_device", 1),
+            }
+        )
         if accuracy >= self.target:
             trainer.should_stop = True
 
@@ -129,7 +136,12 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
     configs = {
         "plain b": {"strategy": plain, "batch": 1, "lr": 1.0},
         f"plain {SCALE}b, same lr": {"strategy": plain, "batch": SCALE, "lr": 1.0},
-        f"plain {SCALE}b, lr x{SCALE} + warm-up": {"strategy": plain, "batch": SCALE, "lr": float(SCALE), "warmup_epochs": 5},
+        f"plain {SCALE}b, lr x{SCALE} + warm-up": {
+            "strategy": plain,
+            "batch": SCALE,
+            "lr": float(SCALE),
+            "warmup_epochs": 5,
+        },
         "crossbow k=2": {"strategy": _crossbow(2), "batch": 1, "lr": 1.0},
         "crossbow k=4": {"strategy": _crossbow(4), "batch": 1, "lr": 1.0},
         "crossbow k=8": {"strategy": _crossbow(8), "batch": 1, "lr": 1.0},
@@ -138,7 +150,9 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         "crossbow k=8, gain smoothing 0.99": {"strategy": _crossbow(8, smoothing=0.99), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer lr linear (8)": {"strategy": _crossbow(8, outer_lr="linear"), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer lr linear + 5-epoch warm-up": {
-            "strategy": _crossbow(8, outer_lr="linear", warmup_epochs=5), "batch": 1, "lr": 1.0
+            "strategy": _crossbow(8, outer_lr="linear", warmup_epochs=5),
+            "batch": 1,
+            "lr": 1.0,
         },
         "crossbow k=8, outer lr sqrt(8)": {"strategy": _crossbow(8, outer_lr=SCALE**0.5), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer lr 1 (plain averaging)": {"strategy": _crossbow(8, outer_lr=1.0), "batch": 1, "lr": 1.0},
@@ -166,13 +180,20 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         },
     }
     if quick:
-        keep = ("plain b", f"plain {SCALE}b, lr x{SCALE} + warm-up", "crossbow k=8", "crossbow k=8, sma (Crossbow's rule)",
-                "crossbow auto (throughput)")
+        keep = (
+            "plain b",
+            f"plain {SCALE}b, lr x{SCALE} + warm-up",
+            "crossbow k=8",
+            "crossbow k=8, sma (Crossbow's rule)",
+            "crossbow auto (throughput)",
+        )
         configs = {name: configs[name] for name in keep}
     return configs
 
 
-def train_to_target(workload: Workload, config: dict[str, Any], seed: int, max_epochs: int, b: int = 16) -> dict[str, Any]:
+def train_to_target(
+    workload: Workload, config: dict[str, Any], seed: int, max_epochs: int, b: int = 16
+) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
     batch = b * config["batch"]
     data = workload.data(batch, seed)
@@ -180,7 +201,9 @@ def train_to_target(workload: Workload, config: dict[str, Any], seed: int, max_e
     lr = workload.lr * config["lr"]
     steps_per_epoch = len(data.train_dataloader())
     if config.get("warmup_epochs"):
-        model: Classifier = WarmupClassifier(workload.net(), warmup_steps=config["warmup_epochs"] * steps_per_epoch, lr=lr)
+        model: Classifier = WarmupClassifier(
+            workload.net(), warmup_steps=config["warmup_epochs"] * steps_per_epoch, lr=lr
+        )
     else:
         model = Classifier(workload.net(), lr=lr)
     curve = TestAccuracyCurve(data.test_dataloader(), workload.target)
@@ -228,10 +251,13 @@ def main() -> None:
     if previous is not None:  # keep the other configurations' results, and say which were run again
         results["workloads"] = previous["workloads"]
         results["command"] = previous["command"]
-        rerun = f"python benchmarks/accuracy.py --workloads {' '.join(args.workloads)}" + (
-            f" --seeds {args.seeds}" if args.seeds else ""
-        ) + " --configs " + " ".join(f"'{name}'" for name in args.configs)
-        results["reruns"] = [*previous.get("reruns", []), rerun]
+        rerun = (
+            f"python benchmarks/accuracy.py --workloads {' '.join(args.workloads)}"
+            + (f" --seeds {args.seeds}" if args.seeds else "")
+            + " --configs "
+            + " ".join(f"'{name}'" for name in args.configs)
+        )
+        results["reruns"] = list(dict.fromkeys([*previous.get("reruns", []), rerun]))  # (once per command)
     for name in args.workloads:
         workload = WORKLOADS[name]
         max_epochs = 15 if args.quick else workload.max_epochs
@@ -248,9 +274,17 @@ def main() -> None:
                 "median_best_acc": statistics.median(r["best_test_acc"] for r in runs),
             }
             row = table[config_name]
-            print(f"{name:<8} {config_name:<32} epochs {row['median_epochs']}  seconds {row['median_seconds']}"
-                  f"  reached {row['reached']}/{len(runs)}  best acc {row['median_best_acc']:.3f}", flush=True)
-        results["workloads"][name] = {"target": workload.target, "lr": workload.lr, "max_epochs": max_epochs, "configs": table}
+            print(
+                f"{name:<8} {config_name:<32} epochs {row['median_epochs']}  seconds {row['median_seconds']}"
+                f"  reached {row['reached']}/{len(runs)}  best acc {row['median_best_acc']:.3f}",
+                flush=True,
+            )
+        results["workloads"][name] = {
+            "target": workload.target,
+            "lr": workload.lr,
+            "max_epochs": max_epochs,
+            "configs": table,
+        }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
 

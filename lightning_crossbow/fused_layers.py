@@ -4,7 +4,8 @@ Under ``torch.func.vmap`` a convolution whose weights differ per replica becomes
 (``groups = k``). On CPU, PyTorch's grouped convolution and its backward run much slower than one
 batched matrix product doing the same arithmetic: with the MNIST-1D CNN at k=8 and b=16, forward
 and backward took 5.4 ms with the fused ``Conv1d`` here against 6.5 ms with ``vmap``'s rule (plain
-model at b=128: 4.3 ms; medians of 25 interleaved runs, 2 CPU threads). For replica ``j``:
+model at b=128: 4.3 ms; medians of 25 interleaved runs, 2 CPU threads; ``benchmarks/throughput.py``
+times the same with the SGD step, its "kernels alone" rows). For replica ``j``:
 
 .. math::
 
@@ -13,8 +14,8 @@ model at b=128: 4.3 ms; medians of 25 interleaved runs, 2 CPU threads). For repl
     Y_j = \\mathrm{cols}(x_j) \\, W_j^\\top + b_j
 
 with ``cols(x_j)[(n, l), (c, t)] = x_j^pad[n, c, s l + t]`` (im2col, a view of the padded input):
-one ``baddbmm`` over the replicas. The fused engine routes the module's own ``nn.Conv1d`` layers
-to it while the fused engine runs them under ``vmap``, and only where the call is the plain case
+one ``baddbmm`` over the replicas. While the fused engine runs the module under ``vmap``, its own
+``nn.Conv1d`` layers take this form where the call is the plain case
 (``groups=1``, ``dilation=1``, zero padding given as a number, weights batched over the replicas);
 every other call, and every call outside ``vmap``, runs ``nn.Conv1d``'s own code. Only on CPU: on
 CUDA ``vmap``'s grouped convolution (cuDNN) is kept, as it was not measured against this.
