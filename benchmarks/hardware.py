@@ -21,7 +21,6 @@ from benchmarks.throughput import results_dir, samples_per_second, save_result  
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
 
 
-
 def grid(ks: list[int], batch_sizes: list[int]) -> dict[str, tuple[Any, int, int]]:
     """name -> (strategy factory, replicas, per-replica batch)."""
     configs: dict[str, tuple[Any, int, int]] = {}

@@ -18,8 +18,8 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L

@@ -28,7 +28,6 @@ from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
 
 
-
 class AfterChoice(L.Callback):
     """Samples/s over the steps run at the tuner's chosen k: each interval from one such step's end to the
     next's (the windows in which the tuner explores again, ``recheck_every``, are left out)."""

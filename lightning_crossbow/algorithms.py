@@ -47,10 +47,13 @@ from typing_extensions import override
 
 from lightning_crossbow.replicas import FlatBucket
 from lightning_crossbow.sma import apply_corrections_, corrections_, default_alpha, update_center_
+from lightning_crossbow.validation import is_real
 
 ALGORITHMS = ("scaled_averaging", "sma", "easgd", "gossip")
 AlgorithmName = Literal["scaled_averaging", "sma", "easgd", "gossip"]
 OUTER_LRS = ("adaptive", "linear")
+#: Crossbow's central momentum, ``algorithm="sma"``'s default.
+CROSSBOW_CENTRAL_MOMENTUM = 0.9
 AllReduceSum = Callable[[Tensor], Tensor]
 
 
@@ -371,3 +374,50 @@ class Gossip(Averaging):
                 rows.add_(peers).mul_(0.5)
             else:  # a diverged learner takes its peer's weights, and nobody mixes in a diverged peer
                 rows.copy_(torch.where(own_ok & peer_ok, (rows + peers) * 0.5, torch.where(own_ok, rows, peers)))
+
+
+def make_averaging(
+    algorithm: str,
+    alpha: Optional[float],
+    central_momentum: Optional[float],
+    outer_lr: Union[float, str],
+    warmup_epochs: float,
+) -> Averaging:
+    """The rule named ``algorithm``, after checking that every argument given applies to it."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}.")
+    if alpha is not None and not (is_real(alpha) and 0.0 < alpha <= 1.0):
+        raise ValueError(f"alpha must be a number in (0, 1] or None (meaning 1/K), got {alpha!r}.")
+    if central_momentum is not None and not (is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
+        raise ValueError(f"central_momentum must be a number in [0, 1) or None, got {central_momentum!r}.")
+    if outer_lr not in OUTER_LRS and not (is_real(outer_lr) and outer_lr > 0):
+        raise ValueError(f"outer_lr must be 'adaptive', 'linear' or a positive number, got {outer_lr!r}.")
+    if not (is_real(warmup_epochs) and warmup_epochs >= 0):
+        raise ValueError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
+    # (numbers as Python floats: numpy's are accepted above)
+    alpha = None if alpha is None else float(alpha)
+    central_momentum = None if central_momentum is None else float(central_momentum)
+    outer_lr = outer_lr if isinstance(outer_lr, str) else float(outer_lr)
+    warmup_epochs = float(warmup_epochs)
+    if algorithm == "scaled_averaging":
+        if alpha is not None:
+            raise ValueError(
+                "alpha applies to algorithm='sma' and 'easgd'; scaled_averaging resets every learner to z."
+            )
+        return ScaledAveraging(outer_lr, central_momentum or 0.0, warmup_epochs)
+    if outer_lr != "adaptive" or warmup_epochs:
+        raise ValueError(f"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not {algorithm!r}.")
+    if algorithm == "gossip":
+        if alpha is not None or central_momentum:
+            raise ValueError(
+                "alpha and central_momentum do not apply to algorithm='gossip' (it keeps no central model)."
+            )
+        return Gossip()
+    if algorithm == "easgd":
+        if central_momentum:
+            raise ValueError(
+                f"algorithm='easgd' has no central momentum, got central_momentum={central_momentum!r}:"
+                " EASGD with momentum on z is Crossbow's algorithm='sma'."
+            )
+        return EASGD(alpha)
+    return SMA(alpha, CROSSBOW_CENTRAL_MOMENTUM if central_momentum is None else central_momentum)

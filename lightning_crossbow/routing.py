@@ -25,7 +25,8 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Optional
 
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
 
 Split = tuple[int, ...]
 
@@ -160,3 +161,21 @@ class RoutedSampler(Sampler[int]):
         split = self.plan.latest
         groups = self.batches_per_epoch() // sum(split)
         return groups * split[self.plan.rank] * self.batch_size
+
+
+def why_unroutable(dataloader: object) -> Optional[str]:
+    """What heterogeneous mode's routing needs that ``dataloader`` lacks, or None."""
+    if not isinstance(dataloader, DataLoader):
+        return f"to be a torch DataLoader, got {type(dataloader).__name__}"
+    if isinstance(dataloader.dataset, IterableDataset):
+        return "a map-style dataset (an IterableDataset has no order to share out)"
+    sampler = dataloader.sampler
+    if type(sampler) not in (RandomSampler, SequentialSampler, DistributedSampler):  # (Lightning's injected one)
+        return f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(sampler).__name__}"
+    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(dataloader.dataset)):
+        return (
+            "shuffle=True without replacement over the whole dataset (a RandomSampler with replacement or num_samples)"
+        )
+    if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
+        return f"a batch_size (torch's BatchSampler), got a {type(dataloader.batch_sampler).__name__}"
+    return None

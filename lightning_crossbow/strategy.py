@@ -46,27 +46,14 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import (
-    BatchSampler,
     DataLoader,
     DistributedSampler,
-    IterableDataset,
     RandomSampler,
-    SequentialSampler,
 )
 from typing_extensions import override
 
 from lightning_crossbow.accelerator import CrossbowAccelerator, device_memory
-from lightning_crossbow.algorithms import (
-    ALGORITHMS,
-    EASGD,
-    OUTER_LRS,
-    SMA,
-    AlgorithmName,
-    Averaging,
-    Gossip,
-    ScaledAveraging,
-    StepContext,
-)
+from lightning_crossbow.algorithms import SMA, AlgorithmName, ScaledAveraging, StepContext, make_averaging
 from lightning_crossbow.balancing import SpeedBalancer
 from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
 from lightning_crossbow.data import (
@@ -91,11 +78,12 @@ from lightning_crossbow.optim import (
     seed_stacked_state_,
     stacked_params,
 )
+from lightning_crossbow.preflight import check_callbacks, warn_of_step_schedules_under_tuning
 from lightning_crossbow.replicas import ReplicaStack, resize_rows
-from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split
+from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split, why_unroutable
 from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
-from lightning_crossbow.validation import check_int, is_real
+from lightning_crossbow.validation import check_int
 
 #: An LR decrease between two consecutive steps counts as a "drop" (and resets the replicas to z
 #: when ``reset_on_lr_drop``) when the new LR is at most this fraction of the old one and the old one
@@ -107,8 +95,6 @@ _ONE_OPTIMIZER = (
     "crossbow needs exactly one optimizer from configure_optimizers, got {count}: every replica runs its"
     " own copy of that one optimizer, and crossbow supports automatic optimization only."
 )
-#: Crossbow's central momentum, ``algorithm="sma"``'s default.
-CROSSBOW_CENTRAL_MOMENTUM = 0.9
 #: How far :meth:`CrossbowStrategy.replicas_fitting_an_epoch` looks.
 _MOST_REPLICAS_CHECKED = 4096
 _CHECKPOINT_KEY = "crossbow"
@@ -197,7 +183,7 @@ class CrossbowStrategy(DDPStrategy):
             replicas_per_device = 1
         else:
             check_int("replicas_per_device", replicas_per_device, note=" or 'auto'")
-        self.averaging = _make_averaging(algorithm, alpha, central_momentum, outer_lr, warmup_epochs)
+        self.averaging = make_averaging(algorithm, alpha, central_momentum, outer_lr, warmup_epochs)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}.")
         if not isinstance(heterogeneous, (bool, SpeedBalancer)):
@@ -383,8 +369,8 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(optimizer, _MockOptimizer):
             raise RuntimeError(_ONE_OPTIMIZER.format(count="none (configure_optimizers returned None)"))
         check_elementwise(optimizer, self.elementwise_optimizers)
-        _check_callbacks(trainer)
-        _warn_of_step_schedules_under_tuning(trainer)
+        check_callbacks(trainer)
+        warn_of_step_schedules_under_tuning(trainer)
         self._check_same_config_on_all_ranks()
         module = self.lightning_module
         if self.engine_name == "streams" and self._stream_pool() is None:
@@ -486,7 +472,7 @@ class CrossbowStrategy(DDPStrategy):
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
         assert self.routing is not None
-        problem = _unroutable(dataloader)
+        problem = why_unroutable(dataloader)
         sampler = getattr(dataloader, "sampler", None)
         # On several processes Lightning has put its DistributedSampler in (it still splits the evaluation loaders):
         # its shuffle and seed are the user's, and the order is drawn anew below over the whole dataset.
@@ -1259,116 +1245,6 @@ def _on_before_batch_transfer(module: "pl.LightningModule", batch: Any, dataload
     if isinstance(batch, ReplicaGroup):
         return ReplicaGroup(hook(module, b, dataloader_idx) for b in batch)
     return hook(module, batch, dataloader_idx)
-
-
-def _make_averaging(
-    algorithm: str,
-    alpha: Optional[float],
-    central_momentum: Optional[float],
-    outer_lr: Union[float, str],
-    warmup_epochs: float,
-) -> Averaging:
-    """The rule named ``algorithm``, after checking that every argument given applies to it."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}.")
-    if alpha is not None and not (is_real(alpha) and 0.0 < alpha <= 1.0):
-        raise ValueError(f"alpha must be a number in (0, 1] or None (meaning 1/K), got {alpha!r}.")
-    if central_momentum is not None and not (is_real(central_momentum) and 0.0 <= central_momentum < 1.0):
-        raise ValueError(f"central_momentum must be a number in [0, 1) or None, got {central_momentum!r}.")
-    if outer_lr not in OUTER_LRS and not (is_real(outer_lr) and outer_lr > 0):
-        raise ValueError(f"outer_lr must be 'adaptive', 'linear' or a positive number, got {outer_lr!r}.")
-    if not (is_real(warmup_epochs) and warmup_epochs >= 0):
-        raise ValueError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
-    # (numbers as Python floats: numpy's are accepted above)
-    alpha = None if alpha is None else float(alpha)
-    central_momentum = None if central_momentum is None else float(central_momentum)
-    outer_lr = outer_lr if isinstance(outer_lr, str) else float(outer_lr)
-    warmup_epochs = float(warmup_epochs)
-    if algorithm == "scaled_averaging":
-        if alpha is not None:
-            raise ValueError(
-                "alpha applies to algorithm='sma' and 'easgd'; scaled_averaging resets every learner to z."
-            )
-        return ScaledAveraging(outer_lr, central_momentum or 0.0, warmup_epochs)
-    if outer_lr != "adaptive" or warmup_epochs:
-        raise ValueError(f"outer_lr and warmup_epochs apply to algorithm='scaled_averaging', not {algorithm!r}.")
-    if algorithm == "gossip":
-        if alpha is not None or central_momentum:
-            raise ValueError(
-                "alpha and central_momentum do not apply to algorithm='gossip' (it keeps no central model)."
-            )
-        return Gossip()
-    if algorithm == "easgd":
-        if central_momentum:
-            raise ValueError(
-                f"algorithm='easgd' has no central momentum, got central_momentum={central_momentum!r}:"
-                " EASGD with momentum on z is Crossbow's algorithm='sma'."
-            )
-        return EASGD(alpha)
-    return SMA(alpha, CROSSBOW_CENTRAL_MOMENTUM if central_momentum is None else central_momentum)
-
-
-def _unroutable(dataloader: object) -> Optional[str]:
-    """What heterogeneous mode's routing needs that ``dataloader`` lacks, or None."""
-    if not isinstance(dataloader, DataLoader):
-        return f"to be a torch DataLoader, got {type(dataloader).__name__}"
-    if isinstance(dataloader.dataset, IterableDataset):
-        return "a map-style dataset (an IterableDataset has no order to share out)"
-    sampler = dataloader.sampler
-    if type(sampler) not in (RandomSampler, SequentialSampler, DistributedSampler):  # (Lightning's injected one)
-        return f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(sampler).__name__}"
-    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(dataloader.dataset)):
-        return (
-            "shuffle=True without replacement over the whole dataset (a RandomSampler with replacement or num_samples)"
-        )
-    if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
-        return f"a batch_size (torch's BatchSampler), got a {type(dataloader.batch_sampler).__name__}"
-    return None
-
-
-def _check_callbacks(trainer: "pl.Trainer") -> None:
-    """Refuses, before training, the callbacks whose work crossbow's replicas would silently undo."""
-    from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
-
-    for callback in trainer.callbacks:
-        problem = None
-        if isinstance(callback, BaseFinetuning):
-            problem = (
-                "it changes which parameters the optimizer steps while training runs (it freezes, unfreezes and"
-                " adds parameter groups), and crossbow's optimizer steps stacked replicas of the parameters"
-                " configure_optimizers gave it"
-            )
-        elif isinstance(callback, ModelPruning):
-            problem = (
-                "it re-registers each pruned parameter (weight_orig and a mask), and crossbow replicates the parameters"
-            )
-        elif isinstance(callback, StochasticWeightAveraging) and any(
-            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in trainer.lightning_module.modules()
-        ):
-            problem = (
-                "with BatchNorm it recomputes the running statistics of the averaged weights in an extra epoch,"
-                " which crossbow would run on the replicas instead (without BatchNorm it works)"
-            )
-        if problem is not None:
-            raise ValueError(
-                f"crossbow cannot train with the {type(callback).__name__} callback: {problem}. Remove the callback,"
-                " or train with another strategy."
-            )
-
-
-def _warn_of_step_schedules_under_tuning(trainer: "pl.Trainer") -> None:
-    """A tuned k changes the steps per epoch: a schedule sized in steps no longer fits the run."""
-    if not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
-        return
-    for config in trainer.lr_scheduler_configs:
-        if config.interval == "step":
-            rank_zero_warn(
-                f"crossbow: the learning-rate scheduler {type(config.scheduler).__name__} steps every optimizer step,"
-                " and the ReplicaAutoTuner changes how many steps an epoch has while training runs (k batches"
-                " per step): a schedule sized in steps (such as OneCycleLR's total_steps from"
-                " trainer.estimated_stepping_batches, counted at the starting k) will not end with training."
-                " Use interval='epoch', or a fixed replicas_per_device."
-            )
 
 
 def lr_dropped(lrs: Sequence[float], last_lrs: Sequence[float], lrs_before: Optional[Sequence[float]] = None) -> bool:

@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from lightning_crossbow import CrossbowStrategy
-from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, make_net, make_optimizer, reference_sma, trainer
+from tests.helpers import (
+    Classifier,
+    ReplicaSnapshot,
+    loader,
+    make_data,
+    make_net,
+    make_optimizer,
+    reference_sma,
+    trainer,
+)
 
 CASES = [
     # k, optimizer, alpha, central_momentum, engine

@@ -1,0 +1,54 @@
+"""Refusals and warnings before training: what crossbow's replicas would silently undo or outgrow, and why."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_crossbow.tuner import ReplicaAutoTuner
+
+
+def check_callbacks(trainer: "pl.Trainer") -> None:
+    """Refuses, before training, the callbacks whose work crossbow's replicas would silently undo."""
+    from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
+
+    for callback in trainer.callbacks:
+        problem = None
+        if isinstance(callback, BaseFinetuning):
+            problem = (
+                "it changes which parameters the optimizer steps while training runs (it freezes, unfreezes and"
+                " adds parameter groups), and crossbow's optimizer steps stacked replicas of the parameters"
+                " configure_optimizers gave it"
+            )
+        elif isinstance(callback, ModelPruning):
+            problem = (
+                "it re-registers each pruned parameter (weight_orig and a mask), and crossbow replicates the parameters"
+            )
+        elif isinstance(callback, StochasticWeightAveraging) and any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in trainer.lightning_module.modules()
+        ):
+            problem = (
+                "with BatchNorm it recomputes the running statistics of the averaged weights in an extra epoch,"
+                " which crossbow would run on the replicas instead (without BatchNorm it works)"
+            )
+        if problem is not None:
+            raise ValueError(
+                f"crossbow cannot train with the {type(callback).__name__} callback: {problem}. Remove the callback,"
+                " or train with another strategy."
+            )
+
+
+def warn_of_step_schedules_under_tuning(trainer: "pl.Trainer") -> None:
+    """A tuned k changes the steps per epoch: a schedule sized in steps no longer fits the run."""
+    if not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
+        return
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == "step":
+            rank_zero_warn(
+                f"crossbow: the learning-rate scheduler {type(config.scheduler).__name__} steps every optimizer step,"
+                " and the ReplicaAutoTuner changes how many steps an epoch has while training runs (k batches"
+                " per step): a schedule sized in steps (such as OneCycleLR's total_steps from"
+                " trainer.estimated_stepping_batches, counted at the starting k) will not end with training."
+                " Use interval='epoch', or a fixed replicas_per_device."
+            )
