@@ -61,22 +61,30 @@ def _net() -> nn.Module:
     )
 
 
-def _losses_and_grads(net: nn.Module, params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, list[Tensor]]:
+def _losses_and_grads(
+    net: nn.Module, params: dict[str, Tensor], x: Tensor, y: Tensor, data_dim: int | None = 0
+) -> tuple[Tensor, list[Tensor]]:
     def loss(p: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
         return nn.functional.cross_entropy(functional_call(net, p, (xb,)), yb)
 
-    losses = vmap(loss)(params, x, y)
+    losses = vmap(loss, in_dims=(0, data_dim, data_dim))(params, x, y)
     return losses.detach(), list(torch.autograd.grad(losses.sum(), list(params.values())))
 
 
-def test_under_vmap_the_fused_layers_give_vmaps_values_and_gradients(fused_calls: list[tuple[int, ...]]) -> None:
+@pytest.mark.parametrize("shared_batch", [False, True], ids=["own batches", "one batch for all"])
+def test_under_vmap_the_fused_layers_give_vmaps_values_and_gradients(
+    shared_batch: bool, fused_calls: list[tuple[int, ...]]
+) -> None:
     net, k = _net(), 4
     params = {name: p.detach().expand(k, *p.shape).clone().requires_grad_() for name, p in net.named_parameters()}
     params = {name: p + 0.1 * torch.randn_like(p) for name, p in params.items()}  # replicas that differ
     x, y = torch.randn(k, 5, 2, 13), torch.randint(0, 3, (k, 5))
-    expected = _losses_and_grads(net, params, x, y)
+    if shared_batch:  # not batched over the replicas: the first layer expands it
+        x, y = x[0], y[0]
+    data_dim = None if shared_batch else 0
+    expected = _losses_and_grads(net, params, x, y, data_dim)
     with fl.fused_layers(fl.fusable_layers(net, CPU)):
-        actual = _losses_and_grads(net, params, x, y)
+        actual = _losses_and_grads(net, params, x, y, data_dim)
     assert fused_calls == [(k, 5, 2, 13), (k, 5, 4, 7)]  # both convolutions took the fused form
     torch.testing.assert_close(actual[0], expected[0])
     for a, b in zip(actual[1], expected[1], strict=True):
