@@ -16,8 +16,10 @@ times the same with the SGD step, its "kernels alone" rows). For replica ``j``:
 with ``cols(x_j)[(n, l), (c, t)] = x_j^pad[n, c, s l + t]`` (im2col, a view of the padded input):
 one ``baddbmm`` over the replicas. While the fused engine runs the module under ``vmap``, its own
 ``nn.Conv1d`` layers take this form where the call is the plain case
-(``groups=1``, ``dilation=1``, zero padding given as a number, weights batched over the replicas);
-every other call, and every call outside ``vmap``, runs ``nn.Conv1d``'s own code. Only on CPU: on
+(``groups=1``, ``dilation=1``, zero padding given as a number, weights batched over the replicas by
+the engine's ``vmap`` as the innermost transform, no autocast); every other call, and every call outside
+``vmap``, runs ``nn.Conv1d``'s own code. The im2col matrix holds every input value ``kernel_size / stride``
+times over (the grouped convolution holds none), a cost that is small next to a small model's activations. Only on CPU: on
 CUDA ``vmap``'s grouped convolution (cuDNN) is kept, as it was not measured against this.
 
 It reads ``vmap``'s batched tensors with ``torch._C._functorch`` (the functions ``torch.func`` itself
@@ -37,7 +39,7 @@ from torch import Tensor, nn
 _functorch: Any = getattr(torch._C, "_functorch", None)
 _AVAILABLE = _functorch is not None and all(
     hasattr(_functorch, name)
-    for name in ("maybe_get_level", "_unwrap_batched", "_add_batch_dim", "is_functorch_wrapped_tensor")
+    for name in ("current_level", "maybe_get_level", "_unwrap_batched", "_add_batch_dim", "is_functorch_wrapped_tensor")
 )
 
 
@@ -66,9 +68,21 @@ def _over_replicas(tensor: Tensor, level: int, replicas: int) -> Optional[Tensor
 
 
 def _fused_conv1d(layer: nn.Conv1d, input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """``nn.Conv1d._conv_forward``, through :func:`conv1d_over_replicas` when ``weight`` is batched by ``vmap``."""
+    """``nn.Conv1d._conv_forward``, through :func:`conv1d_over_replicas` when ``vmap`` batches ``weight`` over the
+    replicas and is the innermost transform (not under a ``grad`` or ``jvp`` of the user's own), outside autocast
+    (where ``vmap``'s rule keeps the convolution in float32), and the call is one that ``F.conv1d`` accepts."""
     level = _functorch.maybe_get_level(weight)
-    if level >= 0 and _functorch.maybe_get_level(input) in (-1, level) and input.dim() == 3:  # (n, c, L): batched
+    if (
+        level >= 0
+        and level == _functorch.current_level()
+        and _functorch.maybe_get_level(input) in (-1, level)
+        and input.dim() == 3  # (n, c, L): batched
+        and _plain_case(layer)  # (still: a callback may have changed the layer since it was found)
+        and not torch.is_autocast_enabled(input.device.type)
+        and input.dtype == weight.dtype
+        and input.shape[1] == weight.shape[1]  # in_channels (otherwise F.conv1d's own error)
+        and input.shape[2] + 2 * int(layer.padding[0]) >= weight.shape[2]  # the kernel fits (idem)
+    ):
         physical_weight, dim = _functorch._unwrap_batched(weight, level)
         if dim is not None and not _functorch.is_functorch_wrapped_tensor(physical_weight):
             replicas = physical_weight.shape[dim]
@@ -82,16 +96,24 @@ def _fused_conv1d(layer: nn.Conv1d, input: Tensor, weight: Tensor, bias: Optiona
     return nn.Conv1d._conv_forward(layer, input, weight, bias)
 
 
+def _plain_case(layer: nn.Conv1d) -> bool:
+    """``groups=1``, ``dilation=1`` and zero padding given as a number: the convolution
+    :func:`conv1d_over_replicas` computes."""
+    return (
+        layer.groups == 1
+        and tuple(layer.dilation) == (1,)
+        and layer.padding_mode == "zeros"
+        and not isinstance(layer.padding, str)
+    )
+
+
 def _fusable(layer: nn.Module) -> bool:
     """A ``Conv1d`` in the plain case, whose ``_conv_forward`` nobody has replaced."""
     return (
         isinstance(layer, nn.Conv1d)
         and type(layer)._conv_forward is nn.Conv1d._conv_forward
         and "_conv_forward" not in vars(layer)
-        and layer.groups == 1
-        and tuple(layer.dilation) == (1,)
-        and layer.padding_mode == "zeros"
-        and not isinstance(layer.padding, str)
+        and _plain_case(layer)
     )
 
 

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
@@ -109,6 +109,75 @@ def test_other_convolutions_keep_vmaps_rule(layer: nn.Conv1d, fused_calls: list[
         actual = vmap(lambda p, xb: functional_call(layer, p, (xb,)))(params, x)
     assert fused_calls == []
     torch.testing.assert_close(actual, expected)
+
+
+def _stacked(layer: nn.Module, k: int = 3) -> dict[str, Tensor]:
+    torch.manual_seed(1)
+    return {name: p.detach() + 0.1 * torch.randn(k, *p.shape) for name, p in layer.named_parameters()}
+
+
+def test_under_autocast_vmaps_rule_runs_as_without_fusing(fused_calls: list[tuple[int, ...]]) -> None:
+    """vmap's rule keeps the convolution in float32 under autocast; so does the fused engine (a BatchNorm after it
+    then meets the dtype it expects)."""
+    net = nn.Sequential(nn.Conv1d(2, 4, 3, padding=1), nn.BatchNorm1d(4))
+    params, buffers = _stacked(net), {name: b.expand(3, *b.shape).clone() for name, b in net.named_buffers()}
+    x = torch.randn(3, 5, 2, 11)
+
+    def run() -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return vmap(lambda p, bf, xb: functional_call(net, (p, bf), (xb,)))(params, buffers, x)
+
+    expected = run()
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        actual = run()
+    assert fused_calls == []
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected)
+
+
+def test_a_grad_of_the_users_own_inside_the_step_keeps_vmaps_rule(fused_calls: list[tuple[int, ...]]) -> None:
+    """A step that differentiates with torch.func.grad (here: one inner step on the head alone, as in meta-learning)
+    runs the convolution under that transform: not the engine's vmap as the innermost one, so no fusing there."""
+    net = nn.Sequential(nn.Conv1d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(44, 3))
+    params = _stacked(net)
+    x, y = torch.randn(3, 5, 2, 11), torch.randint(0, 3, (3, 5))
+
+    def step(p: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        head = {n: v for n, v in p.items() if n.startswith("3.")}
+
+        def inner(h: dict[str, Tensor]) -> Tensor:
+            return nn.functional.cross_entropy(functional_call(net, {**p, **h}, (xb,)), yb)
+
+        adapted = {n: v - 0.1 * g for (n, v), g in zip(head.items(), grad(inner)(head).values(), strict=True)}
+        return nn.functional.cross_entropy(functional_call(net, {**p, **adapted}, (xb,)), yb)
+
+    expected = vmap(step)(params, x, y)
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        actual = vmap(step)(params, x, y)
+    assert len(fused_calls) == 1  # the outer forward only (the one under grad keeps vmap's rule)
+    torch.testing.assert_close(actual, expected)
+
+
+def test_a_layer_changed_after_it_was_found_and_bad_calls_keep_conv1ds_own_behaviour(
+    fused_calls: list[tuple[int, ...]],
+) -> None:
+    layer = nn.Conv1d(2, 4, 5, padding=1)
+    params, x = _stacked(layer), torch.randn(3, 5, 2, 11)
+
+    def run(xb: Tensor) -> Tensor:
+        return vmap(lambda p, b: functional_call(layer, p, (b,)))(params, xb)
+
+    with fl.fused_layers(fl.fusable_layers(layer, CPU)):
+        layer.padding_mode = "circular"  # (a callback's change) not a plain case any more: vmap's rule
+        changed = run(x)
+        layer.padding_mode = "zeros"
+        with pytest.raises(RuntimeError, match="Kernel size can't be greater than actual input size"):
+            run(torch.randn(3, 5, 2, 2))
+        with pytest.raises(RuntimeError, match="to have 6 channels, but got 9 channels"):  # (vmap's grouped form)
+            run(torch.randn(3, 5, 3, 11))
+    assert fused_calls == []
+    layer.padding_mode = "circular"
+    torch.testing.assert_close(changed, run(x))
 
 
 def test_calls_outside_vmap_and_shared_weights_run_conv1ds_own_code(fused_calls: list[tuple[int, ...]]) -> None:
