@@ -12,7 +12,8 @@ at b with the lr unchanged (the default rule: scaled averaging with the measured
 every other rule and outer learning rate (Crossbow's SMA, EASGD, gossip, plain averaging, the
 linear and square-root rules) and the gain's smoothing; crossbow with ``replicas_per_device="auto"``.
 No per-k re-tuning of the user's hyper-parameters.
-Test accuracy is measured after every epoch; evaluation time is not counted as training time.
+Test accuracy is measured after every epoch; evaluation time is not counted as training time. The
+configurations run interleaved, seed by seed, so that a drift in the machine's speed falls on all alike.
 
     python benchmarks/accuracy.py                 # both workloads, 3 seeds
     python benchmarks/accuracy.py --quick         # 1 seed, 5 configurations, fewer epochs
@@ -262,10 +263,13 @@ def main() -> None:
         workload = WORKLOADS[name]
         max_epochs = 15 if args.quick else workload.max_epochs
         table: dict[str, Any] = results["workloads"].get(name, {}).get("configs", {})
-        for config_name, config in configurations(args.quick).items():
-            if args.configs and config_name not in args.configs:
-                continue
-            runs = [train_to_target(workload, config, seed, max_epochs) for seed in seeds]
+        chosen = {n: c for n, c in configurations(args.quick).items() if not args.configs or n in args.configs}
+        # Interleaved, seed by seed: a drift in the machine's speed falls on every configuration alike.
+        measured: dict[str, list[dict[str, Any]]] = {config_name: [] for config_name in chosen}
+        for seed in seeds:
+            for config_name, config in chosen.items():
+                measured[config_name].append(train_to_target(workload, config, seed, max_epochs))
+        for config_name, runs in measured.items():
             table[config_name] = {
                 "runs": runs,
                 "median_epochs": _median([r["epochs_to_target"] for r in runs]),

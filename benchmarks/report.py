@@ -147,6 +147,7 @@ def accuracy_section(data: dict[str, Any], plots: Path) -> list[str]:
                 f" | {_fmt(row['median_seconds'])}"
                 f" {_spread(seconds)} | {ratio} | {row['reached']}/{len(row['runs'])} | {row['median_best_acc']:.3f} |"
             )
+        lines += _tuned_against_best_fixed(configs)
         figure, (by_time, by_epoch) = plt.subplots(1, 2, figsize=(11, 4))
         for config_name, row in configs.items():
             if config_name not in PLOTTED:
@@ -163,6 +164,30 @@ def accuracy_section(data: dict[str, Any], plots: Path) -> list[str]:
         plt.close(figure)
         lines += ["", f"![{name} accuracy](plots/accuracy_{name}.png)", ""]
     return lines
+
+
+def _tuned_against_best_fixed(configs: dict[str, Any], tuned: str = "crossbow auto (throughput)") -> list[str]:
+    """The auto-tuned run's seconds to target over the fastest fixed k's (by median), seed by seed (median of the
+    per-seed ratios; a run that never reached the target is left out), when both rows hold the same seeds."""
+    fixed = {n: row for n, row in configs.items() if n.startswith("crossbow k=") and n[len("crossbow k=") :].isdigit()}
+    fixed = {n: row for n, row in fixed.items() if row["median_seconds"] is not None}
+    if tuned not in configs or not fixed:
+        return []
+    best_name = min(fixed, key=lambda n: fixed[n]["median_seconds"])
+    pairs = {r["seed"]: r["seconds_to_target"] for r in fixed[best_name]["runs"]}
+    tuned_runs = configs[tuned]["runs"]
+    if sorted(pairs) != sorted(r["seed"] for r in tuned_runs):
+        return []
+    ratios = [
+        r["seconds_to_target"] / pairs[r["seed"]] for r in tuned_runs if r["seconds_to_target"] and pairs[r["seed"]]
+    ]
+    if not ratios:
+        return []
+    return [
+        "",
+        f"{tuned} / {best_name} (the fastest fixed k by median), seconds to target seed by seed: median"
+        f" {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} seeds).",
+    ]
 
 
 def overhead_section(data: dict[str, Any], plots: Path) -> list[str]:
