@@ -80,6 +80,7 @@ def _fused_conv1d(layer: nn.Conv1d, input: Tensor, weight: Tensor, bias: Optiona
         and _plain_case(layer)  # (still: a callback may have changed the layer since it was found)
         and not torch.is_autocast_enabled(input.device.type)
         and input.dtype == weight.dtype
+        and (bias is None or bias.dtype == weight.dtype)
         and input.shape[1] == weight.shape[1]  # in_channels (otherwise F.conv1d's own error)
         and input.shape[2] + 2 * int(layer.padding[0]) >= weight.shape[2]  # the kernel fits (idem)
     ):
