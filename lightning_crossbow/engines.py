@@ -2,7 +2,8 @@
 
 Every engine runs the user's own ``training_step`` once per replica with the module's parameters
 and buffers swapped for that replica's slice of the :class:`~lightning_crossbow.replicas.ReplicaStack`
-(``torch.func.functional_call``), and returns the ``k`` losses. Backpropagating their SUM gives each
+(:class:`~lightning_crossbow.stateless.Reparametrizer`, ``torch.func.functional_call``'s swap with the names
+resolved once), and returns the ``k`` losses. Backpropagating their SUM gives each
 replica the gradient of its own loss, in the stack's ``.grad``.
 
 - :class:`FusedEngine`: one batched computation over the stack with ``torch.func.vmap``
@@ -31,13 +32,14 @@ from typing import Any, ContextManager, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
 from lightning_crossbow.fused_layers import fusable_layers, fused_layers
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import ReplicaStack
+from lightning_crossbow.stateless import Reparametrizer
 from lightning_crossbow.streams import StreamPool
 
 ENGINES = ("auto", "fused", "sequential", "streams")
@@ -63,23 +65,6 @@ class ReplicaStepOutput:
     skipped: Optional[Tensor] = None
 
 
-class _TrainingStep(nn.Module):
-    """Lets ``functional_call`` run ``module.training_step`` instead of ``module.forward``."""
-
-    PREFIX = "module."
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, batch: Any, args: Sequence[Any]) -> Any:
-        return self.module.training_step(batch, *args)
-
-
-def _prefixed(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {_TrainingStep.PREFIX + name: t for name, t in tensors.items()}
-
-
 def _split_output(output: Any) -> tuple[Optional[Tensor], dict[str, Any], bool]:
     if output is None or isinstance(output, Tensor):
         return output, {}, False
@@ -97,16 +82,16 @@ class Engine(ABC):
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._call = _TrainingStep(module)
-        # functional_call re-ties shared tensors only when asked to; walking every alias costs a step's
-        # fraction on small models, so it is asked only for modules that really share a tensor.
-        self._tie_weights = _shares_tensors(module)
+        self._reparametrizer: Optional[Reparametrizer] = None  # for the stack's names, made at the first step
 
     def _training_step(
         self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Any, args: Sequence[Any]
     ) -> Any:
-        """``module.training_step(batch, *args)`` run with ``params`` and ``buffers`` (prefixed names)."""
-        return functional_call(self._call, (params, buffers), (batch, args), tie_weights=self._tie_weights)
+        """``module.training_step(batch, *args)`` run with ``params`` and ``buffers`` in place of the module's own."""
+        if self._reparametrizer is None:
+            self._reparametrizer = Reparametrizer(self.module, [*params, *buffers])
+        with self._reparametrizer({**params, **buffers}):
+            return self.module.training_step(batch, *args)
 
     @abstractmethod
     def run(
@@ -172,7 +157,7 @@ class SequentialEngine(Engine):
         outputs = []
         for index, ((params, buffers), batch) in enumerate(zip(stack.unbind(), batches, strict=True)):
             with self._replica_context(index), capture.recording(self.module) as calls:
-                outputs.append(self._training_step(_prefixed(params), _prefixed(buffers), batch, args))
+                outputs.append(self._training_step(params, buffers, batch, args))
             capture.add(calls)
         return outputs
 
@@ -311,7 +296,7 @@ class FusedEngine(Engine):
             self._fused_layers = fusable_layers(self.module, device)
         with fused_layers(self._fused_layers):
             losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
-                _prefixed(stack.params), _prefixed(stack.buffers), batch
+                stack.params, stack.buffers, batch
             )
         capture.add_stacked(recorded, logged)
         if skipped_all[0]:
@@ -539,12 +524,6 @@ def _engine_label(name: str, engine: Engine) -> str:
     """A candidate's name, with what it became if it changed (fused falling back to sequential)."""
     actual = getattr(engine, "active", engine).name
     return name if actual in (name, "auto") else f"{name} ({actual})"
-
-
-def _shares_tensors(module: nn.Module) -> bool:
-    """Whether one parameter or buffer is reachable under two names (tied weights)."""
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    return len({id(t) for _, t in named}) < len(named)
 
 
 def _metrics_of(module: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,112 @@
+"""Reparametrizer: functional_call's swap with the names resolved once, equal to functional_call."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.nn.utils.parametrizations import weight_norm
+
+from lightning_crossbow.stateless import Reparametrizer
+from tests.helpers import Classifier, assert_one_replica_is_plain_lightning, make_data
+
+
+class _Tied(nn.Module):
+    """Tied weights (one Parameter under two names), a submodule registered twice, a BatchNorm's buffers and a
+    parametrized layer: every way a tensor can be held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(4, 4)
+        self.decoder = nn.Linear(4, 4)
+        self.decoder.weight = self.encoder.weight
+        self.shared = nn.Linear(4, 4)
+        self.again = self.shared
+        self.norm = nn.BatchNorm1d(4)
+        self.head = weight_norm(nn.Linear(4, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.decoder(torch.tanh(self.encoder(x))))
+        return self.head(self.again(torch.tanh(self.shared(h))))
+
+
+def _replacements(module: nn.Module, scale: float) -> dict[str, Tensor]:
+    tensors = {n: p.detach() * scale + 0.1 for n, p in module.named_parameters()}
+    tensors.update({n: b.clone() for n, b in module.named_buffers() if b.is_floating_point()})
+    return tensors
+
+
+def test_it_computes_what_functional_call_with_tied_weights_computes_and_restores_the_module() -> None:
+    net = _Tied()
+    originals = {n: t for n, t in [*net.named_parameters(), *net.named_buffers()]}
+    x = torch.randn(5, 4)
+    params = dict(net.named_parameters())
+    expected_tensors = {n: t.clone().requires_grad_(n in params) for n, t in _replacements(net, 0.5).items()}
+    ours_tensors = {n: t.clone().requires_grad_(n in params) for n, t in _replacements(net, 0.5).items()}
+    # (on a copy: functional_call leaves a submodule registered twice holding its tensors, torch 2.13)
+    expected = functional_call(copy.deepcopy(net), expected_tensors, (x,), tie_weights=True)
+    reparametrize = Reparametrizer(net, ours_tensors)
+    with reparametrize(ours_tensors):
+        actual = net(x)
+        assert net.decoder.weight is ours_tensors["encoder.weight"]  # the tied alias too
+    torch.testing.assert_close(actual, expected)
+    expected.sum().backward()
+    actual.sum().backward()
+    for name, tensor in ours_tensors.items():
+        if tensor.requires_grad:
+            torch.testing.assert_close(tensor.grad, expected_tensors[name].grad, msg=name)
+    for name, tensor in expected_tensors.items():  # BatchNorm's running statistics, updated in place
+        if not tensor.requires_grad:
+            torch.testing.assert_close(ours_tensors[name], tensor, msg=name)
+    for name, tensor in [*net.named_parameters(), *net.named_buffers()]:
+        assert tensor is originals[name], name
+    assert net.decoder.weight is net.encoder.weight and net.again is net.shared
+
+
+def test_an_error_inside_the_block_leaves_the_module_as_it_was() -> None:
+    net = _Tied()
+    before = {n: t for n, t in [*net.named_parameters(), *net.named_buffers()]}
+    tensors = _replacements(net, 2.0)
+    with pytest.raises(RuntimeError, match="inside"), Reparametrizer(net, tensors)(tensors):
+        raise RuntimeError("inside")
+    assert {n: t for n, t in [*net.named_parameters(), *net.named_buffers()]} == before
+
+
+def test_under_vmap_each_row_runs_with_its_own_tensors() -> None:
+    net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    stacked = {n: torch.randn(4, *p.shape) for n, p in net.named_parameters()}
+    x = torch.randn(4, 6, 3)
+    reparametrize = Reparametrizer(net, stacked)
+
+    def ours(tensors: dict[str, Tensor], xb: Tensor) -> Tensor:
+        with reparametrize(tensors):
+            return net(xb)
+
+    expected = vmap(lambda tensors, xb: functional_call(net, tensors, (xb,)))(stacked, x)
+    torch.testing.assert_close(vmap(ours)(stacked, x), expected)
+
+
+def test_a_name_the_module_does_not_have_is_refused() -> None:
+    with pytest.raises(KeyError, match=r"Linear has no parameter or buffer named 'weights'"):
+        Reparametrizer(nn.Linear(2, 2), ["weights"])
+
+
+class _TiedClassifier(Classifier):
+    """The tests' classifier behind an embedding and its transpose-free twin: one weight under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 6, bias=False)
+        self.unembed = nn.Linear(6, 6, bias=False)
+        self.unembed.weight = self.embed.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(torch.tanh(self.unembed(torch.tanh(self.embed(x)))))
+
+
+def test_one_replica_of_a_module_with_tied_weights_trains_as_plain_lightning() -> None:
+    assert_one_replica_is_plain_lightning(_TiedClassifier, make_data(num_samples=48))
