@@ -67,6 +67,30 @@ def test_it_computes_what_functional_call_with_tied_weights_computes_and_restore
     assert net.decoder.weight is net.encoder.weight and net.again is net.shared
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.utils.weight_norm(nn.Linear(4, 3)),  # a pre-hook that sets the weight from weight_g, weight_v
+        lambda: nn.utils.spectral_norm(nn.Linear(4, 3)),  # the same with buffers (u, v)
+        lambda: nn.LSTM(4, 3, batch_first=True),  # flat weights, refreshed in forward
+    ],
+    ids=["weight_norm", "spectral_norm", "lstm"],
+)
+def test_modules_that_derive_tensors_from_their_parameters_run_as_with_functional_call(make) -> None:
+    torch.manual_seed(0)
+    net = make()
+    torch.manual_seed(0)
+    reference = make()  # the same module, for functional_call
+    tensors = _replacements(net, 0.5)
+    x = torch.randn(2, 5, 4)
+    expected = functional_call(reference, {n: t.clone() for n, t in tensors.items()}, (x,))
+    with Reparametrizer(net, tensors)(tensors):
+        actual = net(x)
+    pick = (lambda out: out[0]) if isinstance(actual, tuple) else (lambda out: out)
+    torch.testing.assert_close(pick(actual), pick(expected))
+    assert not torch.allclose(pick(actual), pick(net(x)))  # (the replacements did change the output)
+
+
 def test_an_error_inside_the_block_leaves_the_module_as_it_was() -> None:
     net = _Tied()
     before = {n: t for n, t in [*net.named_parameters(), *net.named_buffers()]}
