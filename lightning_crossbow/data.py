@@ -7,14 +7,21 @@ Replica ``j`` of a step takes the ``j``-th batch of the group, so the DataLoader
 per-replica batch size and the user's sampler decides the order, exactly as in plain Lightning.
 An epoch is one pass over the loader in ``len(loader) // k`` steps: a trailing group with fewer than
 ``k`` batches is dropped (a warning at set-up names how many batches that is).
+
+A plain ``DataLoader`` that loads in the training process (``num_workers=0``) pays its per-batch work
+(index sampling, fetching, the iterator's bookkeeping) inside the training step, k times per step. For
+such a loader the batches are fetched a step at a time instead (:func:`group_fetching_loader`): one fetch
+of the group's samples, collated batch by batch with the user's ``collate_fn``, so every batch is exactly
+the one the user's loader would have given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sized
-from itertools import islice
+from collections.abc import Callable, Iterable, Iterator, Sized
+from itertools import chain, islice
 from typing import Any, Optional
 
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from typing_extensions import override
 
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
@@ -45,7 +52,78 @@ class ReplicaGroup(list):
     its own type tells the strategy to apply the module's batch-transfer hooks to each batch alone."""
 
 
-_OWN_ATTRIBUTES = ("loader", "num_replicas", "groups_yielded", "batches_taken", "_returned", "plan", "routed_sampler")
+class GroupedBatchSampler(Sampler[list[int]]):
+    """The indices of ``group_size`` consecutive batches of ``batch_sampler``, as one list per group.
+
+    ``group_size`` is read as each group is drawn, so it may change between groups; the last group of a pass
+    holds whatever batches are left.
+    """
+
+    def __init__(self, batch_sampler: BatchSampler, group_size: int = 1) -> None:
+        self.batch_sampler = batch_sampler
+        self.group_size = group_size
+
+    @property
+    def sampler(self) -> Any:
+        """The user's sampler (Lightning sets its epoch through here too)."""
+        return self.batch_sampler.sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = iter(self.batch_sampler)
+        while group := list(chain.from_iterable(islice(batches, self.group_size))):
+            yield group
+
+    def __len__(self) -> int:
+        return -(-len(self.batch_sampler) // self.group_size)
+
+
+class CollatePerBatch:
+    """Collates the samples of a group of batches of ``batch_size`` (the last may be shorter) batch by batch with
+    ``collate_fn``: a list of the batches the user's loader would have made."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], batch_size: int) -> None:
+        self.collate_fn = collate_fn
+        self.batch_size = batch_size
+
+    def __call__(self, samples: list[Any]) -> list[Any]:
+        b = self.batch_size
+        return [self.collate_fn(samples[start : start + b]) for start in range(0, len(samples), b)]
+
+
+def group_fetching_loader(loader: object) -> Optional[DataLoader]:
+    """A DataLoader that fetches ``loader``'s batches a group at a time (lists of batches, exactly ``loader``'s,
+    in order; see :class:`GroupedBatchSampler` for the group size), or None where that would change anything
+    but the cost: a DataLoader subclass, a custom batch sampler, an iterable dataset, or worker processes (they
+    already fetch batches in parallel, and a group per worker would make the pipeline coarser)."""
+    if not (
+        type(loader) is DataLoader
+        and loader.num_workers == 0
+        and type(loader.batch_sampler) is BatchSampler
+        and not isinstance(loader.dataset, IterableDataset)
+    ):
+        return None
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=GroupedBatchSampler(loader.batch_sampler),
+        collate_fn=CollatePerBatch(loader.collate_fn, loader.batch_sampler.batch_size),
+        pin_memory=loader.pin_memory,
+        pin_memory_device=loader.pin_memory_device,
+        timeout=loader.timeout,
+        generator=loader.generator,
+        in_order=loader.in_order,
+    )
+
+
+_OWN_ATTRIBUTES = (
+    "loader",
+    "num_replicas",
+    "groups_yielded",
+    "batches_taken",
+    "_returned",
+    "_fetcher",
+    "plan",
+    "routed_sampler",
+)
 
 
 class ReplicaBatchLoader:
@@ -53,24 +131,30 @@ class ReplicaBatchLoader:
 
     Attributes it does not define (``sampler``, ``batch_sampler``, ``dataset``, ``batch_size``...)
     are read from the wrapped loader, so Lightning's sampler epoch bookkeeping keeps working.
+
+    With ``fetch_groups`` (default) and a loader that :func:`group_fetching_loader` accepts, the batches come from
+    that loader instead, a group per fetch; the groups are the same.
     """
 
-    def __init__(self, loader: Iterable, num_replicas: int) -> None:
+    def __init__(self, loader: Iterable, num_replicas: int, fetch_groups: bool = True) -> None:
         check_int("num_replicas", num_replicas)
         self.loader = loader
         self.num_replicas = num_replicas
         self.groups_yielded = 0  # in the current pass
         self.batches_taken = 0
         self._returned: list[Any] = []
+        self._fetcher = group_fetching_loader(loader) if fetch_groups else None
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
         """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass."""
         self.groups_yielded = self.batches_taken = 0
         self._returned = []
-        batches = iter(self.loader)
+        batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(self._fetcher)
         while True:
             size = self._group_size()
             group, self._returned = self._returned[:size], self._returned[size:]
+            if self._fetcher is not None and len(group) < size:  # draw the batches still missing, in one fetch
+                self._fetcher.batch_sampler.group_size = size - len(group)
             group += list(islice(batches, size - len(group)))
             self.batches_taken += len(group)
             if len(group) < size:
