@@ -119,7 +119,7 @@ def local_correction_sum(
     if weights is None:
         torch.sum(bucket.corrections, 0, out=head)
     else:
-        torch.matmul(weights, bucket.corrections, out=head)
+        torch.mv(bucket.corrections.t(), weights, out=head)  # (matmul of a vector by a matrix resizes out=)
     return out
 
 
