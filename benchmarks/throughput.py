@@ -185,10 +185,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--repeats", type=int, help="repetitions (default 5, or 3 with --quick)")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 80, or 40 with --quick)")
     parser.add_argument("--out", type=Path, help="default: benchmarks/out/throughput.json (out/quick/ with --quick)")
     args = parser.parse_args()
     repeats, steps, warmup = (3, 40, 10) if args.quick else (5, 80, 10)
-    repeats = args.repeats or repeats
+    repeats, steps = args.repeats or repeats, args.steps or steps
     configs = configurations(args.batch_size, args.replicas)
     measured: dict[str, list[float]] = {name: [] for name in configs}
     k, b = args.replicas, args.batch_size
@@ -227,6 +228,7 @@ def main() -> None:
         "python benchmarks/throughput.py"
         + (" --quick" if args.quick else "")
         + (f" --repeats {args.repeats}" if args.repeats else "")
+        + (f" --steps {args.steps}" if args.steps else "")
     )
     save_result(
         args.out or results_dir(args.quick) / "throughput.json",
