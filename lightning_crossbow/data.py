@@ -8,11 +8,11 @@ per-replica batch size and the user's sampler decides the order, exactly as in p
 An epoch is one pass over the loader in ``len(loader) // k`` steps: a trailing group with fewer than
 ``k`` batches is dropped (a warning at set-up names how many batches that is).
 
-A plain ``DataLoader`` that loads in the training process (``num_workers=0``) pays its per-batch work
-(index sampling, fetching, the iterator's bookkeeping) inside the training step, k times per step. For
-such a loader the batches are fetched a step at a time instead (:func:`group_fetching_loader`): one fetch
-of the group's samples, collated batch by batch with the user's ``collate_fn``, so every batch is exactly
-the one the user's loader would have given.
+A plain ``DataLoader`` that loads in the training process (``num_workers=0``) pays its iterator's
+per-batch work inside the training step, k times per step. For such a loader a step's batches come from
+one step of a second ``DataLoader`` over the same dataset and batch sampler
+(:func:`group_fetching_loader`), which draws, fetches and collates them one batch at a time as the
+user's loader does: the same batches, the same calls in the same order, one iterator step per group.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sized
 from itertools import chain, islice
 from typing import Any, Optional
 
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 from typing_extensions import override
 
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
@@ -52,11 +52,13 @@ class ReplicaGroup(list):
     its own type tells the strategy to apply the module's batch-transfer hooks to each batch alone."""
 
 
-class GroupedBatchSampler(Sampler[list[int]]):
-    """The indices of ``group_size`` consecutive batches of ``batch_sampler``, as one list per group.
+class GroupedBatchSampler(Sampler[list[Iterator[list[int]]]]):
+    """Draws ``group_size`` batches of ``batch_sampler`` per item, for :class:`FetchedBatches`.
 
-    ``group_size`` is read as each group is drawn, so it may change between groups; the last group of a pass
-    holds whatever batches are left.
+    Each item is a list of ``group_size`` references to one iterator over ``batch_sampler``: the batches' indices
+    are drawn from it one batch at a time while the batches are fetched, as the user's loader draws them.
+    ``group_size`` is read as each item is made, so it may change between groups; the last item of a pass
+    holds as many references as batches are left.
     """
 
     def __init__(self, batch_sampler: BatchSampler, group_size: int = 1) -> None:
@@ -68,33 +70,50 @@ class GroupedBatchSampler(Sampler[list[int]]):
         """The user's sampler (Lightning sets its epoch through here too)."""
         return self.batch_sampler.sampler
 
-    def __iter__(self) -> Iterator[list[int]]:
-        batches = iter(self.batch_sampler)
-        while group := list(chain.from_iterable(islice(batches, self.group_size))):
-            yield group
+    def __iter__(self) -> Iterator[list[Iterator[list[int]]]]:
+        batches, left = iter(self.batch_sampler), len(self.batch_sampler)
+        while left > 0:
+            size = min(self.group_size, left)
+            left -= size
+            yield [batches] * size
 
     def __len__(self) -> int:
         return -(-len(self.batch_sampler) // self.group_size)
 
 
-class CollatePerBatch:
-    """Collates the samples of a group of batches of ``batch_size`` (the last may be shorter) batch by batch with
-    ``collate_fn``: a list of the batches the user's loader would have made."""
+class FetchedBatches(Dataset):
+    """A dataset whose item at an iterator of batch indices is the next batch, fetched and collated exactly as a
+    ``DataLoader`` without workers fetches one batch of ``dataset`` (``__getitems__`` when the dataset has one,
+    else one ``__getitem__`` per index; then ``collate_fn``). The end of the indices gives :data:`NO_BATCH`."""
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any], batch_size: int) -> None:
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.dataset = dataset
         self.collate_fn = collate_fn
-        self.batch_size = batch_size
 
-    def __call__(self, samples: list[Any]) -> list[Any]:
-        b = self.batch_size
-        return [self.collate_fn(samples[start : start + b]) for start in range(0, len(samples), b)]
+    def __getitem__(self, batches: Iterator[list[int]]) -> Any:
+        indices = next(batches, None)
+        if indices is None:  # (a batch sampler that gives fewer batches than its length says)
+            return NO_BATCH
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems else [self.dataset[index] for index in indices]
+        return self.collate_fn(samples)
+
+
+#: What :class:`FetchedBatches` gives past the last batch.
+NO_BATCH = object()
+
+
+def _batches_of_group(batches: list[Any]) -> list[Any]:
+    """The fetching loader's ``collate_fn``: a group's batches as they are, without any past the last."""
+    return [batch for batch in batches if batch is not NO_BATCH]
 
 
 def group_fetching_loader(loader: object) -> Optional[DataLoader]:
-    """A DataLoader that fetches ``loader``'s batches a group at a time (lists of batches, exactly ``loader``'s,
-    in order; see :class:`GroupedBatchSampler` for the group size), or None where that would change anything
-    but the cost: a DataLoader subclass, a custom batch sampler, an iterable dataset, or worker processes (they
-    already fetch batches in parallel, and a group per worker would make the pipeline coarser)."""
+    """A DataLoader whose items are groups of ``loader``'s batches (see :class:`GroupedBatchSampler` for the group
+    size): one ``DataLoader`` step per group, while every batch is drawn, fetched and collated as ``loader`` does
+    it, in the same order (so also the same random draws). None where the group's steps could differ: a
+    DataLoader subclass, a custom batch sampler, an iterable dataset, or worker processes (they already fetch
+    batches in parallel, and a group per worker would make the pipeline coarser)."""
     if not (
         type(loader) is DataLoader
         and loader.num_workers == 0
@@ -103,14 +122,13 @@ def group_fetching_loader(loader: object) -> Optional[DataLoader]:
     ):
         return None
     return DataLoader(
-        loader.dataset,
+        FetchedBatches(loader.dataset, loader.collate_fn),
         batch_sampler=GroupedBatchSampler(loader.batch_sampler),
-        collate_fn=CollatePerBatch(loader.collate_fn, loader.batch_sampler.batch_size),
+        collate_fn=_batches_of_group,
         pin_memory=loader.pin_memory,
         pin_memory_device=loader.pin_memory_device,
         timeout=loader.timeout,
         generator=loader.generator,
-        in_order=loader.in_order,
     )
 
 

@@ -1,4 +1,4 @@
-"""Fetching a step's batches in one go: the same groups as batch by batch, for fewer fetches."""
+"""Fetching a step's batches in one iterator step: the same batches, drawn, fetched and collated in the same order."""
 
 from __future__ import annotations
 
@@ -9,27 +9,60 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from lightning_crossbow.data import ReplicaBatchLoader, group_fetching_loader
 from tests.helpers import make_data
 
 
 class _Records(Dataset):
-    """Samples mixing a tensor, a number and a string; counts the fetches (``__getitems__`` calls)."""
+    """Samples mixing a tensor (with a random draw: augmentation), a number and a string."""
 
     def __init__(self, size: int = 45) -> None:
         self.size = size
-        self.fetches = 0
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"x": torch.full((3,), float(index)), "label": index % 4, "name": f"sample-{index}"}
+        x = torch.full((3,), float(index)) + torch.rand(3)
+        return {"x": x, "label": index % 4, "name": f"sample-{index}"}
 
-    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
-        self.fetches += 1
-        return [self[i] for i in indices]
+
+def _collate_with_noise(samples: list[Any]) -> Any:
+    """The default collate, then a random draw of its own (as masking or mixup collators do)."""
+    batch = torch.utils.data.default_collate(samples)
+    batch["x"] = batch["x"] + torch.rand(())
+    return batch
+
+
+class _PreBatched(Dataset):
+    """``__getitems__`` returns the batch already made (a tuple of tensors, for an identity collate), padded to the
+    longest sample it was asked for."""
+
+    def __len__(self) -> int:
+        return 36
+
+    def __getitem__(self, index: int) -> Any:
+        raise AssertionError("fetched through __getitems__ only")
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = 1 + max(i % 5 for i in indices)
+        return torch.tensor(indices), torch.ones(len(indices), longest)
+
+
+@pytest.fixture
+def iterator_steps(monkeypatch) -> list[int]:
+    """Counts DataLoader iterator steps (``__next__`` calls) in a one-element list."""
+    count = [0]
+    next_item = _BaseDataLoaderIter.__next__
+
+    def counted(self: Any) -> Any:
+        count[0] += 1
+        return next_item(self)
+
+    monkeypatch.setattr(_BaseDataLoaderIter, "__next__", counted)
+    return count
 
 
 def _groups(grouped: ReplicaBatchLoader, changes: dict[int, int], give_back: dict[int, int]) -> list[Any]:
@@ -60,21 +93,34 @@ def _assert_same(actual: Any, expected: Any) -> None:
 
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_fetched_groups_are_the_users_batches_through_k_changes_and_back_offs(shuffle: bool, drop_last: bool) -> None:
+def test_fetched_groups_are_the_users_batches_through_k_changes_and_back_offs(
+    shuffle: bool, drop_last: bool, iterator_steps: list[int]
+) -> None:
+    """The same batches, also where the dataset and the collate_fn draw random numbers (the same draws, in the same
+    order), in fewer iterator steps."""
+
     def passes(fetch_groups: bool) -> tuple[list[Any], int]:
-        dataset = _Records()  # 45 samples in batches of 4: a short last batch unless it is dropped
-        loader = DataLoader(
-            dataset, batch_size=4, shuffle=shuffle, drop_last=drop_last, generator=torch.Generator().manual_seed(3)
+        torch.manual_seed(0)
+        iterator_steps[0] = 0
+        loader = DataLoader(  # 45 samples in batches of 4: a short last batch unless it is dropped
+            _Records(), batch_size=4, shuffle=shuffle, drop_last=drop_last, collate_fn=_collate_with_noise
         )
         grouped = ReplicaBatchLoader(loader, 3, fetch_groups=fetch_groups)
         first = _groups(grouped, changes={1: 2, 3: 4}, give_back={2: 1})
         second = _groups(grouped, changes={}, give_back={})  # a second epoch, at k=4
-        return [first, second], dataset.fetches
+        return [first, second, torch.rand(())], iterator_steps[0]
 
-    (fetched, fetches), (one_by_one, single_fetches) = passes(True), passes(False)
-    _assert_same(fetched, one_by_one)
+    (fetched, steps), (one_by_one, steps_one_by_one) = passes(True), passes(False)
+    _assert_same(fetched, one_by_one)  # (the last entries: the generator's state after both epochs)
     assert sum(len(g) for g in one_by_one[0]) >= 9  # (the pass did go through the changes)
-    assert fetches < single_fetches / 2  # a fetch per group, not per batch
+    assert steps < steps_one_by_one / 2  # an iterator step per group, not per batch
+
+
+def test_a_dataset_that_fetches_whole_batches_gets_the_same_requests() -> None:
+    loader = DataLoader(_PreBatched(), batch_size=4, collate_fn=lambda batch: batch)
+    fetched = [list(group) for group in ReplicaBatchLoader(loader, 3)]
+    _assert_same(fetched, [list(group) for group in ReplicaBatchLoader(loader, 3, fetch_groups=False)])
+    assert [len(group) for group in fetched] == [3, 3, 3] and fetched[0][0][0].shape == (4,)
 
 
 def test_an_incomplete_last_group_is_dropped_as_when_fetching_batch_by_batch() -> None:
