@@ -24,9 +24,11 @@ class Reparametrizer:
     """Swaps tensors into ``module``'s parameters and buffers named ``names`` (as
     ``named_parameters()``/``named_buffers()`` name them), each with every alias it has.
 
-    The slots are found when the reparametrizer is made: a module whose submodules are replaced later
-    needs a new one. The tensors found in a slot are read at each swap, so ``module.to(...)`` between
-    swaps is fine.
+    Each name is followed by attribute access, as ``functional_call`` follows it, so it still reaches its tensor
+    through a wrapper that forwards attributes (``torch.compile``'s, put in after the names were taken). The slots
+    are found when the reparametrizer is made: a module whose submodules are replaced later needs a new one. The
+    tensors found in a slot are read at each swap, so ``module.to(...)`` between swaps is fine. Two names of one
+    tensor are refused (``functional_call`` refuses them too).
     """
 
     def __init__(self, module: nn.Module, names: Iterable[str]) -> None:
@@ -38,13 +40,19 @@ class Reparametrizer:
             for name, tensor in named:
                 owner_name, _, attribute = name.rpartition(".")
                 aliases.setdefault(id(tensor), []).append((module.get_submodule(owner_name), is_param, attribute))
-        tensors = dict(module.named_parameters())
-        tensors.update(module.named_buffers())
         self.slots: dict[str, list[Slot]] = {}
+        given: dict[int, str] = {}  # tensor id -> the name it was given under
         for name in names:
-            if name not in tensors:
-                raise KeyError(f"{type(module).__name__} has no parameter or buffer named {name!r}.")
-            self.slots[name] = aliases[id(tensors[name])]
+            slot = _slot(module, name)
+            owner, is_param, attribute = slot
+            tensor = (owner._parameters if is_param else owner._buffers)[attribute]
+            if id(tensor) in given:
+                raise ValueError(
+                    f"{given[id(tensor)]!r} and {name!r} name the same tensor (tied, for example a parameter also"
+                    " registered as a buffer); it can stand in only once."
+                )
+            given[id(tensor)] = name
+            self.slots[name] = aliases.get(id(tensor), [slot])
 
     @contextmanager
     def __call__(self, tensors: Mapping[str, Tensor]) -> Iterator[None]:
@@ -60,3 +68,21 @@ class Reparametrizer:
         finally:
             for held, attribute, original in reversed(originals):
                 held[attribute] = original
+
+
+def _slot(module: nn.Module, name: str) -> Slot:
+    """The slot ``name`` reaches by attribute access from ``module``, as ``functional_call`` reaches it (so also
+    through a wrapper that forwards attributes, such as ``torch.compile``'s)."""
+    *path, attribute = name.split(".")
+    owner: nn.Module = module
+    try:
+        for part in path:
+            owner = getattr(owner, part)
+    except AttributeError:
+        owner = None  # type: ignore[assignment]
+    if isinstance(owner, nn.Module):
+        if attribute in owner._parameters and owner._parameters[attribute] is not None:
+            return owner, True, attribute
+        if attribute in owner._buffers and owner._buffers[attribute] is not None:
+            return owner, False, attribute
+    raise KeyError(f"{type(module).__name__} has no parameter or buffer named {name!r}.")

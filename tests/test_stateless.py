@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -134,3 +135,40 @@ class _TiedClassifier(Classifier):
 
 def test_one_replica_of_a_module_with_tied_weights_trains_as_plain_lightning() -> None:
     assert_one_replica_is_plain_lightning(_TiedClassifier, make_data(num_samples=48))
+
+
+class _ForwardingWrapper(nn.Module):
+    """Forwards attribute access to the module it wraps, as ``torch.compile``'s ``OptimizedModule`` does."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = module
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._orig_mod(x)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_orig_mod"], name)
+
+
+def test_names_taken_before_a_submodule_was_wrapped_still_reach_their_tensors() -> None:
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    tensors = {name: p.detach() * 2.0 for name, p in net.named_parameters()}  # names such as "0.weight"
+    holder = nn.Module()
+    holder.net = net
+    names = {f"net.{name}": t for name, t in tensors.items()}
+    holder.net = _ForwardingWrapper(net)  # now "net._orig_mod.0.weight"
+    x = torch.randn(5, 3)
+    with Reparametrizer(holder, names)(names):
+        actual = holder.net(x)
+    torch.testing.assert_close(actual, functional_call(net, tensors, (x,)))
+
+
+def test_two_names_of_one_tensor_are_refused() -> None:
+    net = nn.Linear(2, 2)
+    net.register_buffer("alias", net.weight)  # a parameter also registered as a buffer
+    with pytest.raises(ValueError, match=r"'weight' and 'alias' name the same tensor"):
+        Reparametrizer(net, ["weight", "alias"])
