@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sized
 from itertools import chain, islice
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 from typing_extensions import override
@@ -52,13 +52,14 @@ class ReplicaGroup(list):
     its own type tells the strategy to apply the module's batch-transfer hooks to each batch alone."""
 
 
-class GroupedBatchSampler(Sampler[list[Iterator[list[int]]]]):
+class GroupedBatchSampler(Sampler[list[Any]]):
     """Draws ``group_size`` batches of ``batch_sampler`` per item, for :class:`FetchedBatches`.
 
-    Each item is a list of ``group_size`` references to one iterator over ``batch_sampler``: the batches' indices
-    are drawn from it one batch at a time while the batches are fetched, as the user's loader draws them.
-    ``group_size`` is read as each item is made, so it may change between groups; the last item of a pass
-    holds as many references as batches are left.
+    Each item is the first batch's indices, then ``group_size - 1`` references to the iterator over
+    ``batch_sampler`` that the other batches' indices are drawn from one at a time while the batches are fetched,
+    as the user's loader draws them. The pass ends when ``batch_sampler`` does (its length is not relied on: a
+    routed sampler's changes with the split). ``group_size`` is read as each item is made, so it may change
+    between groups.
     """
 
     def __init__(self, batch_sampler: BatchSampler, group_size: int = 1) -> None:
@@ -70,29 +71,28 @@ class GroupedBatchSampler(Sampler[list[Iterator[list[int]]]]):
         """The user's sampler (Lightning sets its epoch through here too)."""
         return self.batch_sampler.sampler
 
-    def __iter__(self) -> Iterator[list[Iterator[list[int]]]]:
-        batches, left = iter(self.batch_sampler), len(self.batch_sampler)
-        while left > 0:
-            size = min(self.group_size, left)
-            left -= size
-            yield [batches] * size
+    def __iter__(self) -> Iterator[list[Any]]:
+        batches = iter(self.batch_sampler)
+        while (first := next(batches, None)) is not None:
+            yield [first, *[batches] * (self.group_size - 1)]
 
     def __len__(self) -> int:
         return -(-len(self.batch_sampler) // self.group_size)
 
 
 class FetchedBatches(Dataset):
-    """A dataset whose item at an iterator of batch indices is the next batch, fetched and collated exactly as a
-    ``DataLoader`` without workers fetches one batch of ``dataset`` (``__getitems__`` when the dataset has one,
-    else one ``__getitem__`` per index; then ``collate_fn``). The end of the indices gives :data:`NO_BATCH`."""
+    """A dataset whose item is a batch, fetched and collated exactly as a ``DataLoader`` without workers fetches
+    one batch of ``dataset`` (``__getitems__`` when the dataset has one, else one ``__getitem__`` per index; then
+    ``collate_fn``). The item's key is the batch's indices, or an iterator to draw them from; past the
+    iterator's end it is :data:`NO_BATCH`."""
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
 
-    def __getitem__(self, batches: Iterator[list[int]]) -> Any:
-        indices = next(batches, None)
-        if indices is None:  # (a batch sampler that gives fewer batches than its length says)
+    def __getitem__(self, key: Union[list[int], Iterator[list[int]]]) -> Any:
+        indices = key if isinstance(key, list) else next(key, None)
+        if indices is None:
             return NO_BATCH
         getitems = getattr(self.dataset, "__getitems__", None)
         samples = getitems(indices) if getitems else [self.dataset[index] for index in indices]

@@ -158,3 +158,19 @@ def test_lightning_reaches_the_users_sampler_through_the_fetching_loader() -> No
     fetcher = group_fetching_loader(loader)
     assert fetcher is not None and fetcher.batch_sampler.sampler is loader.sampler
     assert isinstance(loader.batch_sampler, BatchSampler) and isinstance(loader.sampler, SequentialSampler)
+
+
+class _LengthBelowItsIndices(SequentialSampler):
+    """Yields more indices than its length says (as the routed sampler of heterogeneous mode does after a split
+    changes): the pass must end where the indices end."""
+
+    def __len__(self) -> int:
+        return 8
+
+
+def test_a_pass_ends_where_the_samplers_indices_end_not_where_its_length_says() -> None:
+    data = make_data(num_samples=48)
+    loader = DataLoader(data, batch_size=4, sampler=_LengthBelowItsIndices(data))
+    fetched = [list(group) for group in ReplicaBatchLoader(loader, 3)]
+    assert len(fetched) == 4  # 12 batches
+    _assert_same(fetched, [list(group) for group in ReplicaBatchLoader(loader, 3, fetch_groups=False)])
