@@ -151,7 +151,7 @@ class ReplicaBatchLoader:
     are read from the wrapped loader, so Lightning's sampler epoch bookkeeping keeps working.
 
     With ``fetch_groups`` (default) and a loader that :func:`group_fetching_loader` accepts, the batches come from
-    that loader instead, a group per fetch; the groups are the same.
+    that loader instead, a group per iterator step; the groups are the same.
     """
 
     def __init__(self, loader: Iterable, num_replicas: int, fetch_groups: bool = True) -> None:
@@ -171,7 +171,7 @@ class ReplicaBatchLoader:
         while True:
             size = self._group_size()
             group, self._returned = self._returned[:size], self._returned[size:]
-            if self._fetcher is not None and len(group) < size:  # draw the batches still missing, in one fetch
+            if self._fetcher is not None and len(group) < size:  # the batches still missing, in one iterator step
                 self._fetcher.batch_sampler.group_size = size - len(group)
             group += list(islice(batches, size - len(group)))
             self.batches_taken += len(group)

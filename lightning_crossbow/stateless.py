@@ -74,12 +74,9 @@ def _slot(module: nn.Module, name: str) -> Slot:
     """The slot ``name`` reaches by attribute access from ``module``, as ``functional_call`` reaches it (so also
     through a wrapper that forwards attributes, such as ``torch.compile``'s)."""
     *path, attribute = name.split(".")
-    owner: nn.Module = module
-    try:
-        for part in path:
-            owner = getattr(owner, part)
-    except AttributeError:
-        owner = None  # type: ignore[assignment]
+    owner: object = module
+    for part in path:
+        owner = getattr(owner, part, None)
     if isinstance(owner, nn.Module):
         if attribute in owner._parameters and owner._parameters[attribute] is not None:
             return owner, True, attribute
