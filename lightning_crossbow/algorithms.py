@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -71,6 +71,9 @@ class StepContext:
     #: ``K p_j`` per local learner, ``p_j = b_j / sum_i b_i`` its share of the step's samples over all ``K``
     #: learners (Adaptive SGD's normalized merging); None when every batch has the same size (all ``K p_j = 1``).
     learner_weights: Optional[Tensor] = None
+    #: Numbers of this process (float64, on the buckets' device) that the rule sums over processes *in place*,
+    #: riding in its own all-reduce (:func:`all_reduce_riding`): the strategy's SIGTERM vote. Empty: none.
+    riders: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
 
 
 #: Optimizers that divide by a running gradient scale: for them the square-root rule applies.
@@ -123,17 +126,37 @@ def local_correction_sum(
     return out
 
 
-def sum_corrections(
-    bucket: FlatBucket, all_reduce_sum: AllReduceSum, dropped: Optional[Tensor], weights: Optional[Tensor] = None
-) -> Tensor:
-    """``sum_j K p_j c_j`` over the learners of every process (see :func:`local_correction_sum`): one
-    all-reduce. With every ``p_j = 1/K`` it is ``sum_j c_j``."""
-    return all_reduce_sum(local_correction_sum(bucket, dropped, weights))
+def riding_bucket(buckets: Sequence[FlatBucket]) -> Optional[int]:
+    """The first float32 or float64 bucket, whose all-reduce small sums ride in (16 bits would round them); None
+    when every bucket is 16-bit."""
+    return next((i for i, b in enumerate(buckets) if b.corrections.dtype in (torch.float32, torch.float64)), None)
+
+
+def all_reduce_riding(
+    local: list[Tensor], riders: Tensor, rider: Optional[int], all_reduce_sum: AllReduceSum
+) -> list[Tensor]:
+    """Sums every tensor of ``local`` over processes, and ``riders`` in place, in ``len(local)`` all-reduces.
+
+    The riders travel in the last ``len(riders)`` slots of ``local[rider]``, which the caller left spare
+    (:func:`local_correction_sum`'s ``spare``), so they add no synchronisation; with ``rider`` None they take an
+    all-reduce of their own. Returns the sums without those slots.
+    """
+    n = riders.numel()
+    if n and rider is None:
+        all_reduce_sum(riders)
+    elif n:
+        local[rider][-n:] = riders
+    sums = [all_reduce_sum(total) for total in local]
+    if n and rider is not None:
+        riders.copy_(sums[rider][-n:])
+        sums[rider] = sums[rider][:-n]
+    return sums
 
 
 class Averaging(ABC):
     """One rule. ``before_local_step`` runs after backward, while the learners hold their pre-step weights;
-    ``after_local_step`` after the user's optimizer stepped every learner, and moves z."""
+    ``after_local_step`` after the user's optimizer stepped every learner, and moves z. ``after_local_step`` also
+    sums ``context.riders`` over processes in place, in its own all-reduce where it has one."""
 
     #: ``mu``, the momentum of z.
     central_momentum: float
@@ -188,9 +211,15 @@ class SMA(Averaging):
         buckets: Sequence[FlatBucket],
         context: StepContext,
     ) -> None:
-        for bucket in buckets:
+        rider, spare = riding_bucket(buckets), context.riders.numel()
+        local = []
+        for i, bucket in enumerate(buckets):
             apply_corrections_(bucket.replicas, bucket.corrections)
-            correction_sum = sum_corrections(bucket, context.all_reduce_sum, context.dropped, context.learner_weights)
+            local.append(
+                local_correction_sum(bucket, context.dropped, context.learner_weights, spare if i == rider else 0)
+            )
+        sums = all_reduce_riding(local, context.riders, rider, context.all_reduce_sum)
+        for bucket, correction_sum in zip(buckets, sums):
             update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
 
 
@@ -272,25 +301,23 @@ class ScaledAveraging(Averaging):
     def _sum_steps(self, buckets: Sequence[FlatBucket], context: StepContext) -> tuple[list[Tensor], Optional[Tensor]]:
         """``sum_j K p_j d_j`` per bucket over every process and, for ``"adaptive"``, the statistics of
         :meth:`_local_statistics` over every process. One all-reduce per bucket: the statistics ride in the
-        first float32 or float64 bucket's (a 2-element all-reduce of their own only when every bucket is 16-bit)."""
+        first float32 or float64 bucket's with ``context.riders`` (:func:`all_reduce_riding`)."""
         adaptive = self.outer_lr == "adaptive" and context.num_learners > 1  # (one learner: no spread to measure)
-        wide = [i for i, b in enumerate(buckets) if b.corrections.dtype in (torch.float32, torch.float64)]
-        rider = wide[0] if adaptive and wide else None
-        local = []
+        rider, local = riding_bucket(buckets), []
+        spare = context.riders.numel() + (2 if adaptive else 0)
         for i, bucket in enumerate(buckets):
             torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
-            spare = 2 if i == rider else 0
-            local.append(local_correction_sum(bucket, context.dropped, context.learner_weights, spare))
+            local.append(
+                local_correction_sum(bucket, context.dropped, context.learner_weights, spare if i == rider else 0)
+            )
         if not adaptive:
-            return [context.all_reduce_sum(total) for total in local], None
-        statistics = self._local_statistics(buckets, context.dropped)
-        if rider is None:
-            return [context.all_reduce_sum(total) for total in local], context.all_reduce_sum(statistics)
-        local[rider][-2:] = statistics
-        sums = [context.all_reduce_sum(total) for total in local]
-        statistics = sums[rider][-2:].double()
-        sums[rider] = sums[rider][:-2]
-        return sums, statistics
+            return all_reduce_riding(local, context.riders, rider, context.all_reduce_sum), None
+        statistics = self._local_statistics(buckets, context.dropped).to(context.riders.device)
+        riders = torch.cat([context.riders, statistics])
+        sums = all_reduce_riding(local, riders, rider, context.all_reduce_sum)
+        votes = context.riders.numel()
+        context.riders.copy_(riders[:votes])
+        return sums, riders[votes:]
 
     @override
     def after_local_step(
@@ -361,6 +388,8 @@ class Gossip(Averaging):
         buckets: Sequence[FlatBucket],
         context: StepContext,
     ) -> None:
+        if context.riders.numel():  # (no all-reduce of its own to ride in)
+            context.all_reduce_sum(context.riders)
         shift = self.shift(context.step, context.num_learners)
         if shift == 0:
             return

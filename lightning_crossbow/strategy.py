@@ -81,6 +81,7 @@ from lightning_crossbow.optim import (
 from lightning_crossbow.preflight import check_callbacks, warn_of_step_schedules_under_tuning
 from lightning_crossbow.replicas import ReplicaStack, resize_rows
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split, why_unroutable
+from lightning_crossbow.sigterm import SigtermVote
 from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
 from lightning_crossbow.validation import check_int
@@ -248,6 +249,8 @@ class CrossbowStrategy(DDPStrategy):
         self._fastest_engine: dict[int, str] = {}
         self._engine_trial_step = False
         self._transfer_per_batch = False  # set at set-up: whether the batch-transfer hooks are the user's own
+        #: SIGTERM agreed in the averaging's all-reduce instead of Lightning's per-batch broadcast (multi-process fit).
+        self._sigterm_vote = SigtermVote()
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -361,6 +364,8 @@ class CrossbowStrategy(DDPStrategy):
             self.precision_plugin.device = self.root_device.type  # autocast on the device we run on
         if fitting:
             self._setup_replicas(trainer)
+            if self.world_size > 1:
+                self._sigterm_vote.install(trainer)
 
     def _setup_replicas(self, trainer: "pl.Trainer") -> None:
         if len(self.optimizers) != 1:
@@ -837,8 +842,11 @@ class CrossbowStrategy(DDPStrategy):
             dropped=dropped,
             learner_weights=self._learner_weights(),
         )
+        if self.world_size > 1:
+            context.riders = self._sigterm_vote.ballot(self.root_device)
         with torch.no_grad(), self._averaging_stream():
             self.averaging.after_local_step(self.stack.buckets, context)
+        self._sigterm_vote.count(context.riders)
 
     def _restart_left_out(self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor]) -> None:
         """Diverged replicas restart from z with fresh optimizer state; replicas that skipped, from z. (Gossip's
@@ -1200,6 +1208,7 @@ class CrossbowStrategy(DDPStrategy):
         if self._mean_gradients is not None:
             self._mean_gradients.remove()
             self._mean_gradients = None
+        self._sigterm_vote.uninstall()
         self.stack = None
         self.engine = None
         self._step_losses = self._step_skipped = None

@@ -3,6 +3,7 @@
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
        [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune] [--algorithm A]
        [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA] [--second-fit] [--uneven-datasets]
+       [--sigterm-at-step S]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,6 +84,30 @@ class KillAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SigtermAtStep(L.Callback):
+    """Rank 1 alone sends itself SIGTERM once ``global_step`` reaches ``step``; counts the broadcasts every rank
+    makes while training (Lightning's per-batch SIGTERM check is one)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.broadcasts = 0
+        broadcast = torch.distributed.broadcast
+
+        def counted(*args: object, **kwargs: object) -> object:
+            self.broadcasts += self.training
+            return broadcast(*args, **kwargs)
+
+        torch.distributed.broadcast = counted
+        self.training = False
+
+    def on_train_start(self, trainer: L.Trainer, *args: object) -> None:
+        self.training = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class SaveFinalState(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -141,6 +167,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--validate", action="store_true", help="validate on 8 batches after every epoch")
+    parser.add_argument("--sigterm-at-step", type=int, help="rank 1 alone gets SIGTERM after this step")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
@@ -153,6 +180,9 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(args.checkpoint_dir, save_top_k=-1, save_on_train_epoch_end=True))
     if args.kill_at_step is not None:
         callbacks.append(KillAtStep(args.kill_at_step))
+    sigterm = SigtermAtStep(args.sigterm_at_step) if args.sigterm_at_step is not None else None
+    if sigterm is not None:
+        callbacks.append(sigterm)
     if args.tune:  # threshold 0: it climbs to max_replicas unless a step gets slower; each rank's clock differs
         callbacks.append(ReplicaAutoTuner("throughput", window=1, warmup=0, threshold=0.0, max_replicas=3))
     k = args.k + (int(os.environ.get("LOCAL_RANK", 0)) if args.mismatch else 0)
@@ -180,7 +210,13 @@ def main() -> None:
     samples = args.samples - (8 if args.uneven_datasets and os.environ.get("LOCAL_RANK") == "1" else 0)
     datamodule = Unsharded(samples, args.validate) if args.distributed_sampler or balancer is not None else Sharded()
     model = Classifier(optimizer=args.optimizer)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
+    except SIGTERMException:
+        assert sigterm is not None
+        stopped = {"global_step": trainer.global_step, "broadcasts": sigterm.broadcasts}
+        torch.save(stopped, args.out / f"rank{trainer.global_rank}_stopped.pt")
+        return
     if args.second_fit:
         trainer.fit_loop.max_epochs = args.epochs + 1
         trainer.fit(model, datamodule=datamodule)

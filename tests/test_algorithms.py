@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from lightning_crossbow import CrossbowStrategy
-from lightning_crossbow.algorithms import ScaledAveraging, StepContext, gain_ratio, noise_and_signal, warmed_up
+from lightning_crossbow.algorithms import (
+    ScaledAveraging,
+    StepContext,
+    gain_ratio,
+    make_averaging,
+    noise_and_signal,
+    warmed_up,
+)
 from lightning_crossbow.replicas import FlatBucket
 from tests.helpers import (
     Classifier,
@@ -285,3 +292,69 @@ def test_gossip_logs_the_divergence_from_the_learners_mean() -> None:
     assert len(seen.pairs) == 4 and seen.pairs[-1][0] > 0
     for truth, logged in seen.pairs:
         assert logged == pytest.approx(truth, rel=1e-5, abs=1e-7)
+
+
+# ------------------------------------------------------------------------------ riders (the SIGTERM vote)
+def _buckets(dtypes: tuple[torch.dtype, ...], k: int = 3, n: int = 5) -> list[FlatBucket]:
+    generator = torch.Generator().manual_seed(0)
+    buckets = []
+    for dtype in dtypes:
+        center = torch.randn(n, generator=generator)
+        replicas = center + torch.randn(k, n, generator=generator) * 0.1 + 0.05
+        buckets.append(
+            FlatBucket(
+                names=["w"],
+                shapes=[torch.Size([n])],
+                offsets=[0],
+                center=center.to(dtype),
+                center_prev=center.to(dtype),
+                replicas=replicas.to(dtype),
+                corrections=torch.empty(k, n, dtype=dtype),
+            )
+        )
+    return buckets
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16, torch.float64), (torch.bfloat16,)])
+@pytest.mark.parametrize("algorithm", ["sma", "easgd", "scaled_averaging", "gossip"])
+def test_riders_are_summed_in_the_rules_own_all_reduce_and_change_nothing_else(
+    algorithm: str, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """``context.riders`` come back summed over processes (here two alike: the fake all-reduce doubles), in
+    place, with no all-reduce of their own while a float32/float64 bucket can carry them; z and the learners
+    end exactly as in the same step without riders."""
+    k = 3
+    rules = [make_averaging(algorithm, None, None, "adaptive", 0.0) for _ in range(2)]
+    if algorithm == "scaled_averaging":
+        for rule in rules:
+            rule.smoothing = 0.0
+    runs = []
+    for rule, riders in zip(rules, [None, torch.tensor([1.0, 0.0, 3.0], dtype=torch.float64)]):
+        buckets, calls = _buckets(dtypes, k), []
+
+        def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+            calls.append(tensor.numel())
+            return tensor.mul_(2)
+
+        context = StepContext(
+            num_learners=2 * k,
+            step=1,
+            epochs_done=0.1,
+            optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+            all_reduce_sum=all_reduce_sum,
+            pull_rows=lambda rows, shift: rows.flip(0),
+        )
+        if riders is not None:
+            context.riders = riders
+        rule.before_local_step(buckets, 2 * k)
+        rule.after_local_step(buckets, context)
+        runs.append((buckets, calls, context.riders))
+    (plain, plain_calls, _), (riding, riding_calls, riders) = runs
+    assert riders.tolist() == [2.0, 0.0, 6.0]
+    # An all-reduce of their own only when there is none to ride in: gossip has none; with 16-bit buckets only,
+    # sma/easgd have none, while scaled_averaging's statistics already take one, which the riders share.
+    narrow = all(d == torch.bfloat16 for d in dtypes)
+    own = algorithm == "gossip" or (narrow and algorithm != "scaled_averaging")
+    assert len(riding_calls) == len(plain_calls) + own
+    for a, b in zip(plain, riding, strict=True):
+        assert torch.equal(a.center, b.center) and torch.equal(a.replicas, b.replicas)

@@ -1,0 +1,94 @@
+"""SIGTERM in a multi-process run: every process stops before the same batch, agreed in the step's own all-reduce.
+
+Lightning (2.5 and later) keeps the processes of a run together on SIGTERM with collectives of its own:
+every training batch starts with a broadcast of rank 0's flag (``_TrainingEpochLoop._broadcast_sigterm_tensor``),
+and the SIGTERM handler broadcasts too. Under crossbow, whose step already synchronises every process once
+(the averaging's all-reduce), the per-batch broadcast is a second synchronisation point in every step: one
+more wait for the slowest process, about 1 ms of a 20 ms step on 2 CPU processes. And a collective started
+from a signal handler pairs with whatever collective the other processes happen to be in.
+
+:class:`SigtermVote` replaces both:
+
+- the handler only notes the signal (and, as Lightning's does, passes it on to the processes this one launched);
+- every optimizer step's all-reduce carries each process's vote, 1 once it was signalled, as one more summed
+  number riding in the averaging's own all-reduce (``StepContext.riders``): no collective of its own;
+- where Lightning broadcast, at the start of the next batch, every process reads the same sum. When any process
+  (not only rank 0) was signalled, all of them set ``trainer.received_sigterm`` and raise Lightning's
+  ``SIGTERMException`` before the same batch.
+
+A signal is thus acted on at the first batch that starts after the next optimizer step; one that arrives
+during validation waits for the next training step.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import FrameType
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+from torch import Tensor
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+#: Lightning's names for what :class:`SigtermVote` replaces on one trainer's objects (instance attributes that
+#: shadow the methods; removed again by :meth:`SigtermVote.uninstall`).
+_HANDLER, _BATCH_CHECK = "_sigterm_notifier_fn", "_broadcast_sigterm_tensor"
+
+
+class SigtermVote:
+    """Stops every process before the same batch once any process received SIGTERM (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.signalled = False  #: whether this process received SIGTERM
+        self._trainer: Optional[pl.Trainer] = None
+        self._votes: Optional[Tensor] = None  # the summed votes of the last optimizer step, not yet read
+
+    def install(self, trainer: pl.Trainer) -> None:
+        """Takes over Lightning's SIGTERM handler and its per-batch broadcast on this trainer (before
+        ``Trainer`` registers its signal handlers, that is, in ``Strategy.setup``)."""
+        self.signalled, self._votes, self._trainer = False, None, trainer
+        vars(trainer._signal_connector)[_HANDLER] = self._note_signal
+        loop = trainer.fit_loop.epoch_loop
+        if hasattr(loop, _BATCH_CHECK):  # (Lightning releases without the broadcast need no replacement)
+            vars(loop)[_BATCH_CHECK] = self._stop_if_voted
+
+    def uninstall(self) -> None:
+        """Gives Lightning its own handler and per-batch check back."""
+        if self._trainer is not None:
+            vars(self._trainer._signal_connector).pop(_HANDLER, None)
+            vars(self._trainer.fit_loop.epoch_loop).pop(_BATCH_CHECK, None)
+        self._trainer, self._votes = None, None
+
+    def ballot(self, device: torch.device) -> Tensor:
+        """This process's vote for the coming all-reduce: ``[1.]`` once signalled, else ``[0.]`` (float64)."""
+        return torch.tensor([float(self.signalled)], dtype=torch.float64, device=device)
+
+    def count(self, votes: Tensor) -> None:
+        """Keeps the votes summed over every process, read when the next batch starts (not now: on CUDA that
+        read waits for the all-reduce, which by then has long finished)."""
+        self._votes = votes
+
+    def _note_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+        """The SIGTERM handler: Lightning's, without its broadcast."""
+        assert self._trainer is not None
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self._trainer.local_rank))
+        launcher = self._trainer.strategy.launcher
+        if not self.signalled and launcher is not None:
+            launcher.kill(signum)  # the processes this one launched get it too
+        self.signalled = True
+
+    def _stop_if_voted(self) -> None:
+        """At the start of a training batch, on every process alike: raises ``SIGTERMException`` if any process
+        had been signalled when the last optimizer step all-reduced."""
+        votes, self._votes = self._votes, None
+        if votes is None or float(votes.sum()) == 0.0:
+            return
+        assert self._trainer is not None
+        self._trainer._signal_connector.received_sigterm = True
+        raise SIGTERMException
