@@ -48,6 +48,7 @@ class SigtermVote:
         self.signalled = False  #: whether this process received SIGTERM
         self._trainer: Optional[pl.Trainer] = None
         self._votes: Optional[Tensor] = None  # the summed votes of the last optimizer step, not yet read
+        self._ballot: Optional[Tensor] = None  # reused: a new device tensor from a Python number would copy
 
     def install(self, trainer: pl.Trainer) -> None:
         """Takes over Lightning's SIGTERM handler and its per-batch broadcast on this trainer (before
@@ -66,8 +67,11 @@ class SigtermVote:
         self._trainer, self._votes = None, None
 
     def ballot(self, device: torch.device) -> Tensor:
-        """This process's vote for the coming all-reduce: ``[1.]`` once signalled, else ``[0.]`` (float64)."""
-        return torch.tensor([float(self.signalled)], dtype=torch.float64, device=device)
+        """This process's vote for the coming all-reduce, ``[1.]`` once signalled, else ``[0.]`` (float64), in a
+        tensor kept on ``device``: filled in place, so on CUDA no host-to-device copy waits for the stream."""
+        if self._ballot is None or self._ballot.device != device:
+            self._ballot = torch.zeros(1, dtype=torch.float64, device=device)
+        return self._ballot.fill_(float(self.signalled))
 
     def count(self, votes: Tensor) -> None:
         """Keeps the votes summed over every process, read when the next batch starts (not now: on CUDA that
