@@ -232,9 +232,10 @@ def distributed_section(data: dict[str, Any], plots: Path) -> list[str]:
         )
     lines += [
         "",
-        f"crossbow / DDP samples/s: {data['crossbow_over_ddp']:.2f} (median of paired runs). Both count Lightning's"
-        " own broadcast at every step (a SIGTERM check); crossbow's other collective is its one all-reduce of the"
-        " summed corrections, DDP's its gradient bucket.",
+        f"crossbow / DDP samples/s: {data['crossbow_over_ddp']:.2f} (median of paired runs). Crossbow's one collective"
+        " per step is its all-reduce of the summed corrections, which also carries each process's SIGTERM vote"
+        " (`lightning_crossbow/sigterm.py`); DDP's two are Lightning's broadcast at every batch (its SIGTERM check)"
+        " and the gradient bucket.",
         "",
     ]
     return lines

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -71,9 +71,9 @@ class StepContext:
     #: ``K p_j`` per local learner, ``p_j = b_j / sum_i b_i`` its share of the step's samples over all ``K``
     #: learners (Adaptive SGD's normalized merging); None when every batch has the same size (all ``K p_j = 1``).
     learner_weights: Optional[Tensor] = None
-    #: Numbers of this process (float64, on the buckets' device) that the rule sums over processes *in place*,
-    #: riding in its own all-reduce (:func:`all_reduce_riding`): the strategy's SIGTERM vote. Empty: none.
-    riders: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    #: Numbers of this process (a float64 vector on the buckets' device) that the rule sums over processes *in
+    #: place*, riding in its own all-reduce (:func:`all_reduce_riding`): the strategy's SIGTERM vote. None: none.
+    riders: Optional[Tensor] = None
 
 
 #: Optimizers that divide by a running gradient scale: for them the square-root rule applies.
@@ -142,21 +142,52 @@ def all_reduce_riding(
     all-reduce of their own. Returns the sums without those slots.
     """
     n = riders.numel()
-    if n and rider is None:
+    if rider is None:
         all_reduce_sum(riders)
-    elif n:
+    else:
         local[rider][-n:] = riders
     sums = [all_reduce_sum(total) for total in local]
-    if n and rider is not None:
+    if rider is not None:
         riders.copy_(sums[rider][-n:])
         sums[rider] = sums[rider][:-n]
     return sums
 
 
+def with_context_riders(context: StepContext, own: Tensor) -> Tensor:
+    """``context.riders`` (if any) followed by a rule's ``own`` riders: the vector for :func:`all_reduce_riding`."""
+    return own if context.riders is None else torch.cat([context.riders, own])
+
+
+def own_riders(context: StepContext, riders: Tensor) -> Tensor:
+    """After :func:`all_reduce_riding`: copies the summed ``context.riders`` back in place and returns the rule's own."""
+    if context.riders is None:
+        return riders
+    context.riders.copy_(riders[: context.riders.numel()])
+    return riders[context.riders.numel() :]
+
+
+def learners_stepped(buckets: Sequence[FlatBucket], dropped: Optional[Tensor]) -> Tensor:
+    """``[k - |dropped|]``: how many of this process's ``k`` learners took their step (float64, a rider)."""
+    count = torch.full(
+        (1,), float(buckets[0].corrections.shape[0]), dtype=torch.float64, device=buckets[0].center.device
+    )
+    return count if dropped is None else count.sub_(dropped.sum())
+
+
+def anyone_stepped(total_stepped: Tensor, dropped: Optional[Tensor]) -> bool:
+    """Whether any learner of any process took its step, given the all-reduced count ``total_stepped``. Read only
+    when every learner of this process was left out (``dropped``): otherwise it is known here, without waiting
+    for the all-reduce."""
+    if dropped is None or not bool(dropped.all()):
+        return True
+    return float(total_stepped) > 0.0
+
+
 class Averaging(ABC):
     """One rule. ``before_local_step`` runs after backward, while the learners hold their pre-step weights;
     ``after_local_step`` after the user's optimizer stepped every learner, and moves z. ``after_local_step`` also
-    sums ``context.riders`` over processes in place, in its own all-reduce where it has one."""
+    sums ``context.riders`` over processes in place, in its own all-reduce where it has one. When every learner
+    of every process was left out of the step (``context.dropped``), z does not move, momentum included."""
 
     #: ``mu``, the momentum of z.
     central_momentum: float
@@ -211,14 +242,16 @@ class SMA(Averaging):
         buckets: Sequence[FlatBucket],
         context: StepContext,
     ) -> None:
-        rider, spare = riding_bucket(buckets), context.riders.numel()
+        rider = riding_bucket(buckets)
+        riders = with_context_riders(context, learners_stepped(buckets, context.dropped))
         local = []
         for i, bucket in enumerate(buckets):
             apply_corrections_(bucket.replicas, bucket.corrections)
-            local.append(
-                local_correction_sum(bucket, context.dropped, context.learner_weights, spare if i == rider else 0)
-            )
-        sums = all_reduce_riding(local, context.riders, rider, context.all_reduce_sum)
+            spare = riders.numel() if i == rider else 0
+            local.append(local_correction_sum(bucket, context.dropped, context.learner_weights, spare))
+        sums = all_reduce_riding(local, riders, rider, context.all_reduce_sum)
+        if not anyone_stepped(own_riders(context, riders), context.dropped):
+            return
         for bucket, correction_sum in zip(buckets, sums):
             update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
 
@@ -276,14 +309,13 @@ class ScaledAveraging(Averaging):
         self.last_eta = 1.0
 
     def _local_statistics(self, buckets: Sequence[FlatBucket], dropped: Optional[Tensor]) -> Tensor:
-        """``(sum_j |d_j|^2, number of learners)`` on this process, computed in float64 (dropped rows already
-        zeroed); riding in a float32 bucket's all-reduce they keep float32's 7 significant digits."""
-        local = torch.zeros(2, dtype=torch.float64, device=buckets[0].center.device)
+        """``(sum_j |d_j|^2, learners that stepped)`` on this process, in float64 (dropped rows already zeroed);
+        riding in a float32 bucket's all-reduce they keep float32's 7 significant digits."""
+        square_sum = torch.zeros(1, dtype=torch.float64, device=buckets[0].center.device)
         for bucket in buckets:
             flat = bucket.corrections.view(-1)
-            local[0] += torch.dot(flat, flat)
-        local[1] = buckets[0].corrections.shape[0] - (0 if dropped is None else int(dropped.sum()))
-        return local
+            square_sum += torch.dot(flat, flat)
+        return torch.cat([square_sum, learners_stepped(buckets, dropped)])
 
     def _measure(self, statistics: Tensor, sums: Sequence[Tensor]) -> None:
         """Folds this step's ``(sigma^2, |g|^2)`` into the averages, from ``statistics`` (``sum_j |d_j|^2`` and
@@ -298,26 +330,29 @@ class ScaledAveraging(Averaging):
         self.signal = beta * self.signal + (1 - beta) * signal
         self.steps_measured += 1
 
-    def _sum_steps(self, buckets: Sequence[FlatBucket], context: StepContext) -> tuple[list[Tensor], Optional[Tensor]]:
-        """``sum_j K p_j d_j`` per bucket over every process and, for ``"adaptive"``, the statistics of
-        :meth:`_local_statistics` over every process. One all-reduce per bucket: the statistics ride in the
-        first float32 or float64 bucket's with ``context.riders`` (:func:`all_reduce_riding`)."""
-        adaptive = self.outer_lr == "adaptive" and context.num_learners > 1  # (one learner: no spread to measure)
+    def _measuring(self, context: StepContext) -> bool:
+        """Whether this step measures the gain (``"adaptive"``; one learner has no spread to measure)."""
+        return self.outer_lr == "adaptive" and context.num_learners > 1
+
+    def _sum_steps(self, buckets: Sequence[FlatBucket], context: StepContext) -> tuple[list[Tensor], Tensor]:
+        """``sum_j K p_j d_j`` per bucket over every process, and this rule's riders summed over every process: the
+        learners that stepped (:func:`learners_stepped`), after ``sum_j |d_j|^2`` when measuring (the statistics of
+        :meth:`_local_statistics`). One all-reduce per bucket: the riders go in the first float32 or float64
+        bucket's, with ``context.riders`` (:func:`all_reduce_riding`)."""
         rider, local = riding_bucket(buckets), []
-        spare = context.riders.numel() + (2 if adaptive else 0)
+        spare = (0 if context.riders is None else context.riders.numel()) + (2 if self._measuring(context) else 1)
         for i, bucket in enumerate(buckets):
             torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
             local.append(
                 local_correction_sum(bucket, context.dropped, context.learner_weights, spare if i == rider else 0)
             )
-        if not adaptive:
-            return all_reduce_riding(local, context.riders, rider, context.all_reduce_sum), None
-        statistics = self._local_statistics(buckets, context.dropped).to(context.riders.device)
-        riders = torch.cat([context.riders, statistics])
+        if self._measuring(context):
+            own = self._local_statistics(buckets, context.dropped)
+        else:
+            own = learners_stepped(buckets, context.dropped)
+        riders = with_context_riders(context, own)
         sums = all_reduce_riding(local, riders, rider, context.all_reduce_sum)
-        votes = context.riders.numel()
-        context.riders.copy_(riders[:votes])
-        return sums, riders[votes:]
+        return sums, own_riders(context, riders)
 
     @override
     def after_local_step(
@@ -325,11 +360,13 @@ class ScaledAveraging(Averaging):
         buckets: Sequence[FlatBucket],
         context: StepContext,
     ) -> None:
-        sums, statistics = self._sum_steps(buckets, context)
+        sums, own = self._sum_steps(buckets, context)
+        if not anyone_stepped(own[-1], context.dropped):
+            return
         num_learners = context.num_learners
         if self.outer_lr == "adaptive":
-            if statistics is not None:
-                self._measure(statistics, sums)
+            if self._measuring(context):
+                self._measure(own, sums)
             target = gain_ratio(self.noise, self.signal, num_learners)  # the averages' common bias cancels
         elif self.outer_lr == "linear":
             adaptive = isinstance(context.optimizer, ADAPTIVE_OPTIMIZERS)
@@ -388,7 +425,7 @@ class Gossip(Averaging):
         buckets: Sequence[FlatBucket],
         context: StepContext,
     ) -> None:
-        if context.riders.numel():  # (no all-reduce of its own to ride in)
+        if context.riders is not None:  # (no all-reduce of its own to ride in)
             context.all_reduce_sum(context.riders)
         shift = self.shift(context.step, context.num_learners)
         if shift == 0:

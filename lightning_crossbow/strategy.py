@@ -841,12 +841,12 @@ class CrossbowStrategy(DDPStrategy):
             pull_rows=pull_rows,
             dropped=dropped,
             learner_weights=self._learner_weights(),
+            riders=self._sigterm_vote.ballot(self.root_device) if self.world_size > 1 else None,
         )
-        if self.world_size > 1:
-            context.riders = self._sigterm_vote.ballot(self.root_device)
         with torch.no_grad(), self._averaging_stream():
             self.averaging.after_local_step(self.stack.buckets, context)
-        self._sigterm_vote.count(context.riders)
+        if context.riders is not None:
+            self._sigterm_vote.count(context.riders)
 
     def _restart_left_out(self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor]) -> None:
         """Diverged replicas restart from z with fresh optimizer state; replicas that skipped, from z. (Gossip's

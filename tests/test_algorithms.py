@@ -306,8 +306,8 @@ def _buckets(dtypes: tuple[torch.dtype, ...], k: int = 3, n: int = 5) -> list[Fl
                 names=["w"],
                 shapes=[torch.Size([n])],
                 offsets=[0],
-                center=center.to(dtype),
-                center_prev=center.to(dtype),
+                center=center.to(dtype, copy=True),
+                center_prev=center.to(dtype, copy=True),
                 replicas=replicas.to(dtype),
                 corrections=torch.empty(k, n, dtype=dtype),
             )
@@ -351,10 +351,40 @@ def test_riders_are_summed_in_the_rules_own_all_reduce_and_change_nothing_else(
         runs.append((buckets, calls, context.riders))
     (plain, plain_calls, _), (riding, riding_calls, riders) = runs
     assert riders.tolist() == [2.0, 0.0, 6.0]
-    # An all-reduce of their own only when there is none to ride in: gossip has none; with 16-bit buckets only,
-    # sma/easgd have none, while scaled_averaging's statistics already take one, which the riders share.
-    narrow = all(d == torch.bfloat16 for d in dtypes)
-    own = algorithm == "gossip" or (narrow and algorithm != "scaled_averaging")
-    assert len(riding_calls) == len(plain_calls) + own
+    # An all-reduce of their own only for gossip, which has none to ride in (with 16-bit buckets only, the other
+    # rules' own riders, the learners that stepped, already take one, which these share).
+    assert len(riding_calls) == len(plain_calls) + (algorithm == "gossip")
     for a, b in zip(plain, riding, strict=True):
         assert torch.equal(a.center, b.center) and torch.equal(a.replicas, b.replicas)
+
+
+@pytest.mark.parametrize("algorithm", ["sma", "scaled_averaging"])
+@pytest.mark.parametrize("another_process_stepped", [False, True])
+def test_z_stays_when_every_learner_of_every_process_was_left_out(
+    algorithm: str, another_process_stepped: bool
+) -> None:
+    """Every learner of this process left out (skipped or diverged): z and its momentum stay unless a learner
+    of another process stepped, which the count of learners that stepped, riding in the all-reduce, tells."""
+    k = 3
+    rule = make_averaging(algorithm, None, 0.5, "adaptive", 0.0)
+    buckets = _buckets((torch.float32,), k)
+    buckets[0].center_prev.sub_(0.1)  # z has momentum: mu (z - z_prev) is not zero
+    center, center_prev = buckets[0].center.clone(), buckets[0].center_prev.clone()
+
+    def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:  # the other process adds 1 everywhere, or nothing
+        return tensor.add_(1.0) if another_process_stepped else tensor
+
+    context = StepContext(
+        num_learners=2 * k,
+        step=1,
+        epochs_done=0.1,
+        optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+        all_reduce_sum=all_reduce_sum,
+        pull_rows=lambda rows, shift: rows,
+        dropped=torch.ones(k, dtype=torch.bool),
+    )
+    rule.before_local_step(buckets, 2 * k)
+    rule.after_local_step(buckets, context)
+    moved = not torch.equal(buckets[0].center, center)
+    assert moved == another_process_stepped
+    assert torch.equal(buckets[0].center_prev, center if moved else center_prev)
