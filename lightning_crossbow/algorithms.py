@@ -126,9 +126,12 @@ def local_correction_sum(
     return out
 
 
-def riding_bucket(buckets: Sequence[FlatBucket]) -> Optional[int]:
-    """The first float32 or float64 bucket, whose all-reduce small sums ride in (16 bits would round them); None
-    when every bucket is 16-bit."""
+def riding_bucket(buckets: Sequence[FlatBucket], exact: bool) -> Optional[int]:
+    """The bucket whose all-reduce small sums ride in. When they must stay exact, the first float32 or float64
+    one (None if every bucket is 16-bit: bfloat16 rounds integers above 256). Otherwise the first bucket: sums
+    only compared with 0 (counts, votes) survive 16 bits, as non-negative numbers rounded never sum to 0."""
+    if not exact:
+        return 0
     return next((i for i, b in enumerate(buckets) if b.corrections.dtype in (torch.float32, torch.float64)), None)
 
 
@@ -242,7 +245,7 @@ class SMA(Averaging):
         buckets: Sequence[FlatBucket],
         context: StepContext,
     ) -> None:
-        rider = riding_bucket(buckets)
+        rider = riding_bucket(buckets, exact=False)
         riders = with_context_riders(context, learners_stepped(buckets, context.dropped))
         local = []
         for i, bucket in enumerate(buckets):
@@ -337,9 +340,9 @@ class ScaledAveraging(Averaging):
     def _sum_steps(self, buckets: Sequence[FlatBucket], context: StepContext) -> tuple[list[Tensor], Tensor]:
         """``sum_j K p_j d_j`` per bucket over every process, and this rule's riders summed over every process: the
         learners that stepped (:func:`learners_stepped`), after ``sum_j |d_j|^2`` when measuring (the statistics of
-        :meth:`_local_statistics`). One all-reduce per bucket: the riders go in the first float32 or float64
-        bucket's, with ``context.riders`` (:func:`all_reduce_riding`)."""
-        rider, local = riding_bucket(buckets), []
+        :meth:`_local_statistics`). One all-reduce per bucket: the riders go in one bucket's, with
+        ``context.riders`` (:func:`all_reduce_riding`; the first float32 or float64 bucket when measuring)."""
+        rider, local = riding_bucket(buckets, exact=self._measuring(context)), []
         spare = (0 if context.riders is None else context.riders.numel()) + (2 if self._measuring(context) else 1)
         for i, bucket in enumerate(buckets):
             torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
