@@ -17,14 +17,17 @@ from a signal handler pairs with whatever collective the other processes happen 
   ``SIGTERMException`` before the same batch.
 
 A signal is thus acted on at the first batch that starts after the next optimizer step; one that arrives
-during validation waits for the next training step.
+during validation waits for the next training step, and one after the last optimizer step is agreed on in one
+all-reduce when training ends (``SIGTERMException`` then). Lightning releases before 2.5.2, which have no
+per-batch broadcast, keep their own handling.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -46,25 +49,36 @@ class SigtermVote:
 
     def __init__(self) -> None:
         self.signalled = False  #: whether this process received SIGTERM
-        self._trainer: Optional[pl.Trainer] = None
+        self._connector: Any = None  # the trainer's signal connector, from install on
+        self._installed = False
         self._votes: Optional[Tensor] = None  # the summed votes of the last optimizer step, not yet read
         self._ballot: Optional[Tensor] = None  # reused: a new device tensor from a Python number would copy
 
+    @property
+    def installed(self) -> bool:
+        """Whether the vote stands in for Lightning's SIGTERM handling (between install and uninstall)."""
+        return self._installed
+
     def install(self, trainer: pl.Trainer) -> None:
-        """Takes over Lightning's SIGTERM handler and its per-batch broadcast on this trainer (before
-        ``Trainer`` registers its signal handlers, that is, in ``Strategy.setup``)."""
-        self.signalled, self._votes, self._trainer = False, None, trainer
-        vars(trainer._signal_connector)[_HANDLER] = self._note_signal
+        """Takes over Lightning's SIGTERM handler and its per-batch broadcast on this trainer (before ``Trainer``
+        registers its signal handlers, that is, in ``Strategy.setup``). A Lightning without the per-batch
+        broadcast (before 2.5.2) keeps its own handling: nothing is installed."""
         loop = trainer.fit_loop.epoch_loop
-        if hasattr(loop, _BATCH_CHECK):  # (Lightning releases without the broadcast need no replacement)
-            vars(loop)[_BATCH_CHECK] = self._stop_if_voted
+        if not hasattr(loop, _BATCH_CHECK):
+            return
+        self.signalled, self._votes, self._installed = False, None, True
+        self._connector = trainer._signal_connector
+        vars(self._connector)[_HANDLER] = self._note_signal
+        vars(loop)[_BATCH_CHECK] = self._stop_if_voted
 
     def uninstall(self) -> None:
-        """Gives Lightning its own handler and per-batch check back."""
-        if self._trainer is not None:
-            vars(self._trainer._signal_connector).pop(_HANDLER, None)
-            vars(self._trainer.fit_loop.epoch_loop).pop(_BATCH_CHECK, None)
-        self._trainer, self._votes = None, None
+        """Gives Lightning its own handler and per-batch check back. (Lightning restores the process's signal
+        handlers only after the strategy's teardown; a SIGTERM in between is noted as Lightning's handler
+        notes it, in ``trainer.received_sigterm``.)"""
+        if self._installed:
+            vars(self._connector).pop(_HANDLER, None)
+            vars(self._connector.trainer.fit_loop.epoch_loop).pop(_BATCH_CHECK, None)
+        self._installed, self._votes = False, None
 
     def ballot(self, device: torch.device) -> Tensor:
         """This process's vote for the coming all-reduce, ``[1.]`` once signalled, else ``[0.]`` (float64), in a
@@ -74,15 +88,26 @@ class SigtermVote:
         return self._ballot.fill_(float(self.signalled))
 
     def count(self, votes: Tensor) -> None:
-        """Keeps the votes summed over every process, read when the next batch starts (not now: on CUDA that
-        read waits for the all-reduce, which by then has long finished)."""
+        """Keeps the votes summed over every process, read when the next batch starts, where Lightning read its
+        broadcast flag (on CUDA the read waits for the step's work on the device there, as Lightning's did)."""
         self._votes = votes
+
+    def stop_if_any_signalled(self, device: torch.device, all_reduce_sum: Callable[[Tensor], Tensor]) -> None:
+        """When training ends, on every process alike: one all-reduce of the votes, for a signal that came after
+        the last optimizer step (in the last validation, or once ``max_steps`` was reached), which no batch
+        start would read; raises ``SIGTERMException`` on every process if any was signalled."""
+        if self._installed:
+            self.count(all_reduce_sum(self.ballot(device)))
+            self._stop_if_voted()
 
     def _note_signal(self, signum: int, frame: Optional[FrameType]) -> None:
         """The SIGTERM handler: Lightning's, without its broadcast."""
-        assert self._trainer is not None
-        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self._trainer.local_rank))
-        launcher = self._trainer.strategy.launcher
+        trainer = self._connector.trainer
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
+        if not self._installed:  # training is over (see uninstall): nothing left to agree on
+            self._connector.received_sigterm = True
+            return
+        launcher = trainer.strategy.launcher
         if not self.signalled and launcher is not None:
             launcher.kill(signum)  # the processes this one launched get it too
         self.signalled = True
@@ -93,6 +118,5 @@ class SigtermVote:
         votes, self._votes = self._votes, None
         if votes is None or float(votes.sum()) == 0.0:
             return
-        assert self._trainer is not None
-        self._trainer._signal_connector.received_sigterm = True
+        self._connector.received_sigterm = True
         raise SIGTERMException

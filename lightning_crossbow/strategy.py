@@ -841,7 +841,7 @@ class CrossbowStrategy(DDPStrategy):
             pull_rows=pull_rows,
             dropped=dropped,
             learner_weights=self._learner_weights(),
-            riders=self._sigterm_vote.ballot(self.root_device) if self.world_size > 1 else None,
+            riders=self._sigterm_vote.ballot(self.root_device) if self._sigterm_vote.installed else None,
         )
         with torch.no_grad(), self._averaging_stream():
             self.averaging.after_local_step(self.stack.buckets, context)
@@ -1069,6 +1069,7 @@ class CrossbowStrategy(DDPStrategy):
         self.sync_center()
         # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.
         self._final_state = self._strategy_state() if self.stack is not None else None
+        self._sigterm_vote.stop_if_any_signalled(self.root_device, all_reduce_sum_)
 
     # ---------------------------------------------------------------------------- checkpoints
     @override
