@@ -35,6 +35,13 @@ from tests.helpers import (
 )
 
 
+def _context(num_learners: int, all_reduce_sum: Any, step: int = 0, **fields: Any) -> StepContext:
+    """A step's context for a rule called directly: 10% into training, an SGD optimizer nothing reads."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    pull_rows = fields.pop("pull_rows", lambda rows, shift: rows)
+    return StepContext(num_learners, step, 0.1, optimizer, all_reduce_sum, pull_rows, **fields)
+
+
 # ------------------------------------------------------------------------------ the math alone
 def test_noise_and_signal_are_the_sample_variance_and_the_debiased_squared_mean() -> None:
     generator = torch.Generator().manual_seed(0)
@@ -203,16 +210,7 @@ def test_adaptive_scaled_averaging_sums_steps_and_statistics_in_one_all_reduce(
         return tensor.mul_(2)
 
     rule = ScaledAveraging(smoothing=0.0)
-    parameter = torch.nn.Parameter(torch.zeros(1))
-    context = StepContext(
-        num_learners=2 * k,
-        step=0,
-        epochs_done=0.1,
-        optimizer=torch.optim.SGD([parameter], lr=0.1),
-        all_reduce_sum=all_reduce_sum,
-        pull_rows=lambda rows, shift: rows,
-    )
-    rule.after_local_step([bucket], context)
+    rule.after_local_step([bucket], _context(2 * k, all_reduce_sum))
 
     assert len(calls) == collectives
     all_steps = (bucket_steps := (center + steps).to(dtype).double() - center.to(dtype).double()).repeat(2, 1)
@@ -229,23 +227,8 @@ def test_adaptive_scaled_averaging_sums_steps_and_statistics_in_one_all_reduce(
 def test_the_statistics_ride_in_a_wide_bucket_wherever_it_sits(dtypes: tuple[torch.dtype, torch.dtype]) -> None:
     """Mixed-precision parameters make a float32 and a bf16 bucket: one all-reduce per bucket, whichever comes
     last, and the statistics still count the learners of both processes (``K = 2k``: a gain is measured)."""
-    k, n = 3, 5
-    generator = torch.Generator().manual_seed(0)
-    buckets = []
-    for dtype in dtypes:
-        center = torch.randn(n, generator=generator)
-        steps = torch.randn(k, n, generator=generator) * 0.1 + 0.05
-        buckets.append(
-            FlatBucket(
-                names=["w"],
-                shapes=[torch.Size([n])],
-                offsets=[0],
-                center=center.to(dtype),
-                center_prev=center.to(dtype),
-                replicas=(center + steps).to(dtype),
-                corrections=torch.empty(k, n, dtype=dtype),
-            )
-        )
+    k = 3
+    buckets = _buckets(dtypes, k)
     calls: list[torch.dtype] = []
 
     def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:  # two processes with the same learners
@@ -253,15 +236,7 @@ def test_the_statistics_ride_in_a_wide_bucket_wherever_it_sits(dtypes: tuple[tor
         return tensor.mul_(2)
 
     rule = ScaledAveraging(smoothing=0.0)
-    context = StepContext(
-        num_learners=2 * k,
-        step=0,
-        epochs_done=0.1,
-        optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
-        all_reduce_sum=all_reduce_sum,
-        pull_rows=lambda rows, shift: rows,
-    )
-    rule.after_local_step(buckets, context)
+    rule.after_local_step(buckets, _context(2 * k, all_reduce_sum))
     assert sorted(calls, key=str) == sorted(dtypes, key=str)  # one per bucket, none for the statistics alone
     assert rule.steps_measured == 1 and 1.0 <= rule.last_eta <= 2 * k
 
@@ -336,16 +311,7 @@ def test_riders_are_summed_in_the_rules_own_all_reduce_and_change_nothing_else(
             calls.append(tensor.numel())
             return tensor.mul_(2)
 
-        context = StepContext(
-            num_learners=2 * k,
-            step=1,
-            epochs_done=0.1,
-            optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
-            all_reduce_sum=all_reduce_sum,
-            pull_rows=lambda rows, shift: rows.flip(0),
-        )
-        if riders is not None:
-            context.riders = riders
+        context = _context(2 * k, all_reduce_sum, step=1, pull_rows=lambda rows, shift: rows.flip(0), riders=riders)
         rule.before_local_step(buckets, 2 * k)
         rule.after_local_step(buckets, context)
         runs.append((buckets, calls, context.riders))
@@ -378,15 +344,7 @@ def test_z_stays_when_every_learner_of_every_process_was_left_out(
     def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:  # the other process adds 1 everywhere, or nothing
         return tensor.add_(1.0) if another_process_stepped else tensor
 
-    context = StepContext(
-        num_learners=2 * k,
-        step=1,
-        epochs_done=0.1,
-        optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
-        all_reduce_sum=all_reduce_sum,
-        pull_rows=lambda rows, shift: rows,
-        dropped=torch.ones(k, dtype=torch.bool),
-    )
+    context = _context(2 * k, all_reduce_sum, step=1, dropped=torch.ones(k, dtype=torch.bool))
     rule.before_local_step(buckets, 2 * k)
     rule.after_local_step(buckets, context)
     moved = not torch.equal(buckets[0].center, center)
