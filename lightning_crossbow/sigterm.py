@@ -1,6 +1,6 @@
 """SIGTERM in a multi-process run: every process stops before the same batch, agreed in the step's own all-reduce.
 
-Lightning (2.5 and later) keeps the processes of a run together on SIGTERM with collectives of its own:
+Lightning (2.5.2 and later) keeps the processes of a run together on SIGTERM with collectives of its own:
 every training batch starts with a broadcast of rank 0's flag (``_TrainingEpochLoop._broadcast_sigterm_tensor``),
 and the SIGTERM handler broadcasts too. Under crossbow, whose step already synchronises every process once
 (the averaging's all-reduce), the per-batch broadcast is a second synchronisation point in every step: one
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -36,6 +36,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class SigtermVote:
 
     def __init__(self) -> None:
         self.signalled = False  #: whether this process received SIGTERM
-        self._connector: Any = None  # the trainer's signal connector, from install on
+        self._connector: Optional[_SignalConnector] = None  # the trainer's, from install on
         self._installed = False
         self._votes: Optional[Tensor] = None  # the summed votes of the last optimizer step, not yet read
         self._ballot: Optional[Tensor] = None  # reused: a new device tensor from a Python number would copy
@@ -76,6 +77,7 @@ class SigtermVote:
         handlers only after the strategy's teardown; a SIGTERM in between is noted as Lightning's handler
         notes it, in ``trainer.received_sigterm``.)"""
         if self._installed:
+            assert self._connector is not None
             vars(self._connector).pop(_HANDLER, None)
             vars(self._connector.trainer.fit_loop.epoch_loop).pop(_BATCH_CHECK, None)
         self._installed, self._votes = False, None
@@ -102,6 +104,7 @@ class SigtermVote:
 
     def _note_signal(self, signum: int, frame: Optional[FrameType]) -> None:
         """The SIGTERM handler: Lightning's, without its broadcast."""
+        assert self._connector is not None  # (registered by Lightning after install)
         trainer = self._connector.trainer
         log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
         if not self._installed:  # training is over (see uninstall): nothing left to agree on
@@ -118,5 +121,6 @@ class SigtermVote:
         votes, self._votes = self._votes, None
         if votes is None or float(votes.sum()) == 0.0:
             return
+        assert self._connector is not None
         self._connector.received_sigterm = True
         raise SIGTERMException
