@@ -187,14 +187,17 @@ def test_a_tuned_k_is_the_same_on_every_rank_at_every_step(tmp_path: Path) -> No
         assert torch.equal(a, b)  # bitwise identical central model after the changes
 
 
-@pytest.mark.parametrize(("signalled_after", "stopped_at"), [(4, 5), (12, 12)])
+@pytest.mark.parametrize(
+    ("launcher", "signalled_after", "stopped_at"), [("popen", 4, 5), ("popen", 12, 12), ("torchrun", 4, 5)]
+)
 def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step_without_a_broadcast_per_step(
-    tmp_path: Path, signalled_after: int, stopped_at: int
+    tmp_path: Path, launcher: str, signalled_after: int, stopped_at: int
 ) -> None:
     """Rank 1 alone is signalled. After step 4 of 12: its vote rides in step 5's all-reduce and both ranks raise
     Lightning's SIGTERMException before batch 6. After the last step: the votes are all-reduced once when
-    training ends, and both ranks raise there. No step made a broadcast (Lightning's per-batch SIGTERM check)."""
-    result = _run(tmp_path, "popen", "2", "--epochs", "4", "--sigterm-at-step", str(signalled_after))
+    training ends, and both ranks raise there. No step made a broadcast (Lightning's per-batch SIGTERM check). Under
+    torchrun no process launched another, so none passes the signal on."""
+    result = _run(tmp_path, launcher, "2", "--epochs", "4", "--sigterm-at-step", str(signalled_after))
     assert result.returncode == 0, result.stderr[-3000:]
     # (after the last step, the callbacks' on_train_end ran before the strategy's, where the ranks stopped)
     assert len(list(tmp_path.glob("rank?.pt"))) == (2 if signalled_after == 12 else 0)
