@@ -208,8 +208,9 @@ class Averaging(ABC):
         self,
         buckets: Sequence[FlatBucket],
         context: StepContext,
-    ) -> None:
-        """Forms the corrections and moves z (or the learners)."""
+    ) -> bool:
+        """Forms the corrections and moves z (or the learners); returns False when nothing moved because every
+        learner of every process was left out of the step."""
 
     def state_dict(self) -> dict[str, Any]:
         """What the rule measured during training, for checkpoints (nothing, for most rules)."""
@@ -244,19 +245,20 @@ class SMA(Averaging):
         self,
         buckets: Sequence[FlatBucket],
         context: StepContext,
-    ) -> None:
+    ) -> bool:
         rider = riding_bucket(buckets, exact=False)
         riders = with_context_riders(context, learners_stepped(buckets, context.dropped))
         local = []
         for i, bucket in enumerate(buckets):
-            apply_corrections_(bucket.replicas, bucket.corrections)
             spare = riders.numel() if i == rider else 0
             local.append(local_correction_sum(bucket, context.dropped, context.learner_weights, spare))
+            apply_corrections_(bucket.replicas, bucket.corrections)  # (left-out rows: zeroed, so not moved)
         sums = all_reduce_riding(local, riders, rider, context.all_reduce_sum)
         if not anyone_stepped(own_riders(context, riders), context.dropped):
-            return
+            return False
         for bucket, correction_sum in zip(buckets, sums):
             update_center_(bucket.center, bucket.center_prev, correction_sum, self.central_momentum)
+        return True
 
 
 class EASGD(SMA):
@@ -362,10 +364,10 @@ class ScaledAveraging(Averaging):
         self,
         buckets: Sequence[FlatBucket],
         context: StepContext,
-    ) -> None:
+    ) -> bool:
         sums, own = self._sum_steps(buckets, context)
         if not anyone_stepped(own[-1], context.dropped):
-            return
+            return False
         num_learners = context.num_learners
         if self.outer_lr == "adaptive":
             if self._measuring(context):
@@ -381,6 +383,7 @@ class ScaledAveraging(Averaging):
             update_center_(
                 bucket.center, bucket.center_prev, correction_sum.mul_(eta / num_learners), self.central_momentum
             )
+        return True
         # (the learners move to z_next when the next step starts: learners_start_at_center)
 
     @override
@@ -427,12 +430,12 @@ class Gossip(Averaging):
         self,
         buckets: Sequence[FlatBucket],
         context: StepContext,
-    ) -> None:
+    ) -> bool:
         if context.riders is not None:  # (no all-reduce of its own to ride in)
             context.all_reduce_sum(context.riders)
         shift = self.shift(context.step, context.num_learners)
         if shift == 0:
-            return
+            return True
         for bucket in buckets:
             rows = bucket.replicas
             peers = context.pull_rows(rows, shift)
@@ -443,6 +446,7 @@ class Gossip(Averaging):
                 rows.add_(peers).mul_(0.5)
             else:  # a diverged learner takes its peer's weights, and nobody mixes in a diverged peer
                 rows.copy_(torch.where(own_ok & peer_ok, (rows + peers) * 0.5, torch.where(own_ok, rows, peers)))
+        return True  # (its left-out learners take their peers' weights)
 
 
 def make_averaging(

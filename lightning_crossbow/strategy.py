@@ -784,7 +784,8 @@ class CrossbowStrategy(DDPStrategy):
             self._wait_for_device()
             window_done = self.balancer.work_done()
         dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
-        self._average(optimizer, dropped)
+        if not self._average(optimizer, dropped):
+            skipped = None  # every learner of every process skipped: those stay as they were (diverged ones restart)
         self._restart_left_out(optimizer, diverged, skipped)
         self._center_stale = True
         if self.averaging.center_is_learner_mean and self._ends_an_epoch():
@@ -828,9 +829,9 @@ class CrossbowStrategy(DDPStrategy):
         self._gradients_pending = False
         return output
 
-    def _average(self, optimizer: Optimizer, dropped: Optional[Tensor]) -> None:
+    def _average(self, optimizer: Optimizer, dropped: Optional[Tensor]) -> bool:
         """The rule's update after the local step, on the averaging stream when the replicas run on streams;
-        ``dropped`` learners add nothing to it."""
+        ``dropped`` learners add nothing to it. False when nothing moved: every learner of every process left out."""
         assert self.stack is not None
         context = StepContext(
             num_learners=self.num_learners,
@@ -844,9 +845,10 @@ class CrossbowStrategy(DDPStrategy):
             riders=self._sigterm_vote.ballot(self.root_device) if self._sigterm_vote.installed else None,
         )
         with torch.no_grad(), self._averaging_stream():
-            self.averaging.after_local_step(self.stack.buckets, context)
+            moved = self.averaging.after_local_step(self.stack.buckets, context)
         if context.riders is not None:
             self._sigterm_vote.count(context.riders)
+        return moved
 
     def _restart_left_out(self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor]) -> None:
         """Diverged replicas restart from z with fresh optimizer state; replicas that skipped, from z. (Gossip's

@@ -3,7 +3,7 @@
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
        [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune] [--algorithm A]
        [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA] [--second-fit] [--uneven-datasets]
-       [--sigterm-at-step S]
+       [--sigterm-at-step S] [--skip-at-step S]
 """
 
 from __future__ import annotations
@@ -108,6 +108,37 @@ class SigtermAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SkipsAtStep(Classifier):
+    """Every replica's ``training_step`` returns None (skips) at global step ``step``."""
+
+    def __init__(self, step: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.skip_step = step
+
+    def training_step(self, batch: object, batch_idx: int) -> object:
+        return None if self.trainer.global_step == self.skip_step else super().training_step(batch, batch_idx)
+
+
+class WatchStep(L.Callback):
+    """Whether z, its momentum (z_prev) and the replicas were the same before and after global step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.before: list[torch.Tensor] = []
+        self.unchanged: bool | None = None
+
+    def _state(self, trainer: L.Trainer) -> list[torch.Tensor]:
+        return [t.clone() for b in trainer.strategy.stack.buckets for t in (b.center, b.center_prev, b.replicas)]
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            self.before = self._state(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if self.before and self.unchanged is None:
+            self.unchanged = all(torch.equal(a, b) for a, b in zip(self.before, self._state(trainer), strict=True))
+
+
 class SaveFinalState(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -168,6 +199,7 @@ def main() -> None:
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--validate", action="store_true", help="validate on 8 batches after every epoch")
     parser.add_argument("--sigterm-at-step", type=int, help="rank 1 alone gets SIGTERM after this step")
+    parser.add_argument("--skip-at-step", type=int, help="every replica of every rank skips this step")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
@@ -181,6 +213,9 @@ def main() -> None:
     if args.kill_at_step is not None:
         callbacks.append(KillAtStep(args.kill_at_step))
     sigterm = SigtermAtStep(args.sigterm_at_step) if args.sigterm_at_step is not None else None
+    watch = WatchStep(args.skip_at_step) if args.skip_at_step is not None else None
+    if watch is not None:
+        callbacks.append(watch)
     if sigterm is not None:
         callbacks.append(sigterm)
     if args.tune:  # threshold 0: it climbs to max_replicas unless a step gets slower; each rank's clock differs
@@ -209,7 +244,10 @@ def main() -> None:
     )
     samples = args.samples - (8 if args.uneven_datasets and os.environ.get("LOCAL_RANK") == "1" else 0)
     datamodule = Unsharded(samples, args.validate) if args.distributed_sampler or balancer is not None else Sharded()
-    model = Classifier(optimizer=args.optimizer)
+    if args.skip_at_step is not None:
+        model: Classifier = SkipsAtStep(args.skip_at_step, optimizer=args.optimizer)
+    else:
+        model = Classifier(optimizer=args.optimizer)
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
     except SIGTERMException:
@@ -222,6 +260,8 @@ def main() -> None:
         trainer.fit(model, datamodule=datamodule)
     if args.save:
         trainer.save_checkpoint(args.save)
+    if watch is not None:
+        torch.save(watch.unchanged, args.out / f"rank{trainer.global_rank}_skipped_step_unchanged.pt")
 
 
 if __name__ == "__main__":

@@ -334,19 +334,23 @@ def test_z_stays_when_every_learner_of_every_process_was_left_out(
     algorithm: str, another_process_stepped: bool
 ) -> None:
     """Every learner of this process left out (skipped or diverged): z and its momentum stay unless a learner
-    of another process stepped, which the count of learners that stepped, riding in the all-reduce, tells."""
+    of another process stepped, which the count of learners that stepped, riding in the all-reduce, tells; the
+    rule says which (the strategy then leaves skipped learners as they were), and left-out learners are not
+    corrected."""
     k = 3
     rule = make_averaging(algorithm, None, 0.5, "adaptive", 0.0)
     buckets = _buckets((torch.float32,), k)
     buckets[0].center_prev.sub_(0.1)  # z has momentum: mu (z - z_prev) is not zero
     center, center_prev = buckets[0].center.clone(), buckets[0].center_prev.clone()
+    replicas = buckets[0].replicas.clone()
 
     def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:  # the other process adds 1 everywhere, or nothing
         return tensor.add_(1.0) if another_process_stepped else tensor
 
     context = _context(2 * k, all_reduce_sum, step=1, dropped=torch.ones(k, dtype=torch.bool))
     rule.before_local_step(buckets, 2 * k)
-    rule.after_local_step(buckets, context)
+    reported = rule.after_local_step(buckets, context)
     moved = not torch.equal(buckets[0].center, center)
-    assert moved == another_process_stepped
+    assert moved == another_process_stepped == reported
     assert torch.equal(buckets[0].center_prev, center if moved else center_prev)
+    assert torch.equal(buckets[0].replicas, replicas)  # left-out learners take no correction

@@ -206,6 +206,14 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step_without_a_broad
         assert stopped == {"global_step": stopped_at, "broadcasts": 0}
 
 
+def test_a_step_that_every_replica_of_every_rank_skips_changes_nothing(tmp_path: Path) -> None:
+    """Crossbow's rule: z, its momentum and the replicas (which differ from z) stay as they were through step 4,
+    which every replica of both ranks skips (the count of learners that stepped rides in the all-reduce)."""
+    result = _run(tmp_path, "popen", "2", "--epochs", "3", "--skip-at-step", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [torch.load(tmp_path / f"rank{rank}_skipped_step_unchanged.pt") for rank in range(2)] == [True, True]
+
+
 def test_ranks_with_different_configurations_fail_with_a_clear_error(tmp_path: Path) -> None:
     result = _run(tmp_path, "popen", "2", "--mismatch")
     assert result.returncode != 0
