@@ -9,6 +9,7 @@ and the strategy's measured training throughput, through ``get_device_stats`` (s
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Optional, Union
 
 import torch
@@ -32,6 +33,14 @@ def device_memory(device: torch.device) -> dict[str, float]:
 
     memory = psutil.virtual_memory()
     return {"memory_used_bytes": float(memory.total - memory.available), "memory_free_bytes": float(memory.available)}
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """After an out-of-memory error: frees what only reference cycles still hold, and on CUDA gives the
+    caching allocator's unused blocks back to the device, so that a retry with less finds the memory whole."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class CrossbowAccelerator(Accelerator):

@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lightning_crossbow.fused_layers import fusable_layers, fused_layers
 from lightning_crossbow.log_capture import LogCapture
-from lightning_crossbow.replicas import ReplicaStack
+from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack
 from lightning_crossbow.stateless import Reparametrizer
 from lightning_crossbow.streams import StreamPool
 
@@ -324,19 +324,7 @@ class FusedOrSequentialEngine(Engine):
         self.sequential = self.fused.sequential
         self.active: Engine = self.fused
         self._metrics = _metrics_of(module)  # walked once: a step only copies their attributes
-        self._saved_buffers: list[Tensor] = []
-        self._saved_for: Optional[tuple[int, int]] = None  # (the stack, its k) the saved buffers are shaped for
-
-    def _save_buffers(self, stack: ReplicaStack) -> list[Tensor]:
-        """Copies the replicas' buffers, in ``stack.buffers`` order, into tensors kept from step to step: one
-        foreach copy per step (allocated again only for another stack or k, the only things that reshape them)."""
-        buffers = list(stack.buffers.values())
-        if self._saved_for != (id(stack), stack.num_replicas):
-            self._saved_buffers = [b.detach().clone() for b in buffers]
-            self._saved_for = (id(stack), stack.num_replicas)
-        elif buffers:
-            torch._foreach_copy_(self._saved_buffers, buffers)
-        return self._saved_buffers
+        self._buffers = BufferSnapshot()  # the replicas' buffers before each fused step
 
     @override
     def run(
@@ -344,15 +332,13 @@ class FusedOrSequentialEngine(Engine):
     ) -> ReplicaStepOutput:
         if self.active is self.sequential:
             return self.sequential.run(stack, batches, args, capture)
-        saved_buffers = self._save_buffers(stack)
+        self._buffers.take(stack)
         saved_metrics = {metric: dict(vars(metric)) for metric in self._metrics}
         try:
             output = self.fused.run(stack, batches, args, capture)
             _check_no_escaped_metric_state(saved_metrics)
         except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
-            if saved_buffers:
-                with torch.no_grad():
-                    torch._foreach_copy_(list(stack.buffers.values()), saved_buffers)
+            self._buffers.restore_(stack)
             for metric, state in saved_metrics.items():
                 vars(metric).update(state)
             capture.clear()
@@ -366,7 +352,7 @@ class FusedOrSequentialEngine(Engine):
                 stacklevel=2,
             )
             self.active = self.sequential
-            self._saved_buffers, self._saved_for = [], None
+            self._buffers.clear()
             return self.sequential.run(stack, batches, args, capture)
         return output
 

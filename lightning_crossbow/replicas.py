@@ -228,3 +228,32 @@ class ReplicaStack:
             bucket.replicas.copy_(saved)
         for name, saved in state["buffers"].items():
             self.buffers[name].copy_(saved)
+
+
+class BufferSnapshot:
+    """A copy of a stack's buffers (BatchNorm's running statistics, ...), taken before a step that may have
+    to be undone and written back by :meth:`restore_`. The copies are kept from step to step: :meth:`take`
+    is one foreach copy, allocating again only for another stack or k (the only things that reshape them)."""
+
+    def __init__(self) -> None:
+        self._copies: list[Tensor] = []
+        self._shaped_for: Optional[tuple[int, int]] = None  # (the stack, its k)
+
+    def take(self, stack: ReplicaStack) -> None:
+        buffers = list(stack.buffers.values())
+        if self._shaped_for != (id(stack), stack.num_replicas):
+            self._copies = [b.detach().clone() for b in buffers]
+            self._shaped_for = (id(stack), stack.num_replicas)
+        elif buffers:
+            torch._foreach_copy_(self._copies, buffers)
+
+    def restore_(self, stack: ReplicaStack) -> None:
+        """Writes the copies back into ``stack``, which must have the k they were taken at."""
+        if self._shaped_for != (id(stack), stack.num_replicas):
+            raise RuntimeError("BufferSnapshot.restore_: the stack was resized after the snapshot was taken.")
+        if self._copies:
+            with torch.no_grad():
+                torch._foreach_copy_(list(stack.buffers.values()), self._copies)
+
+    def clear(self) -> None:
+        self._copies, self._shaped_for = [], None

@@ -52,7 +52,7 @@ from torch.utils.data import (
 )
 from typing_extensions import override
 
-from lightning_crossbow.accelerator import CrossbowAccelerator, device_memory
+from lightning_crossbow.accelerator import CrossbowAccelerator, device_memory, release_cached_memory
 from lightning_crossbow.algorithms import SMA, AlgorithmName, ScaledAveraging, StepContext, make_averaging
 from lightning_crossbow.balancing import SpeedBalancer
 from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
@@ -79,7 +79,7 @@ from lightning_crossbow.optim import (
     stacked_params,
 )
 from lightning_crossbow.preflight import check_callbacks, warn_of_step_schedules_under_tuning
-from lightning_crossbow.replicas import ReplicaStack, resize_rows
+from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack, resize_rows
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split, why_unroutable
 from lightning_crossbow.sigterm import SigtermVote
 from lightning_crossbow.streams import StreamPool
@@ -244,6 +244,9 @@ class CrossbowStrategy(DDPStrategy):
         self._epoch_length_follows_k = False
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
+        self._group: Optional[list[Any]] = None  # the group of batches of the step in progress
+        self._group_cut: Optional[int] = None  # how many of its batches run, after an out-of-memory back-off
+        self._buffers_before_step = BufferSnapshot()  # undoes a step that ran out of memory (see _forward_backward)
         self._own_stream_pool: Optional[StreamPool] = None  # when the accelerator is not crossbow's
         #: engine="auto" on CUDA: the engine measured fastest at each k, so that a k seen before is not measured again.
         self._fastest_engine: dict[int, str] = {}
@@ -544,6 +547,10 @@ class CrossbowStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.stack is not None and self.engine is not None
         batches, rest = args[0], args[1:]
+        if batches is self._group and self._group_cut is not None:  # run again after an out-of-memory back-off
+            batches = batches[: self._group_cut]
+        else:
+            self._group, self._group_cut = batches, None
         if not isinstance(batches, list) or len(batches) != self.stack.num_replicas:
             raise RuntimeError("crossbow expected a group of replicas_per_device batches from its training loader.")
         module = self.lightning_module
@@ -551,15 +558,8 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.rebind_(module)
         if self.averaging.learners_start_at_center and not self._gradients_pending:  # an optimizer step's first batch
             self.stack.reset_replicas_(module)
-        while True:
-            try:
-                with self.precision_plugin.train_step_context():
-                    output = self.engine.run(self.stack, batches, rest, self._log_capture)
-                break
-            except torch.cuda.OutOfMemoryError as error:
-                batches = self._back_off(batches, error)
-        self._log_capture.replay(module)
-        self._log_crossbow_metrics(module)
+        with self.precision_plugin.train_step_context():
+            output = self.engine.run(self.stack, batches, rest, self._log_capture)
         losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
         # A replica skips the step only if it skipped every batch the step accumulates (None: none skipped).
@@ -570,12 +570,27 @@ class CrossbowStrategy(DDPStrategy):
         self._gradients_pending = True
         if output.total is None:  # every replica skipped
             if self.world_size == 1:
+                self._replay_logs()
+                self._group = self._group_cut = None
                 return None  # Lightning skips the backward, as for a plain module
             # Lightning refuses a skipped step across processes, and the other ranks' averaging waits for this
             # one: a zero loss, attached to the replicas, gives them zero gradients (the rows are held and dropped).
             return sum(leaf.sum() for leaf in self.stack.params.values()) * 0.0
         loss = _reported_as_mean(output.total, losses, output.skipped)
         return {"loss": loss, **output.extras} if output.returned_dict else loss
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._replay_logs()
+        self._group = self._group_cut = None  # the step's forward and backward ran: no retry can follow
+
+    def _replay_logs(self) -> None:
+        """Logs what the replicas logged (their mean) and crossbow's own metrics, once the step's backward has
+        run: a step that runs out of memory in its backward and runs again with fewer replicas logs once."""
+        module = self.lightning_module
+        self._log_capture.replay(module)
+        self._log_crossbow_metrics(module)
 
     # ------------------------------------------------------------------------- changing k
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
@@ -674,26 +689,20 @@ class CrossbowStrategy(DDPStrategy):
         if fetcher is not None and getattr(fetcher, "length", None) is not None:
             fetcher.length = epoch_length
 
-    def _back_off(self, batches: list[Any], error: BaseException) -> list[Any]:
-        """After an out-of-memory error in the replicas' step: one replica fewer from now on.
+    def _back_off(self, error: BaseException) -> None:
+        """After an out-of-memory error in the step's forward or backward: one replica fewer from now on.
 
-        The step runs again on the group's first k-1 batches; the last batch goes back to the loader
-        and opens the next group, so no batch is lost. ``replica_ceiling`` keeps the tuner below k.
-        One process only: the ranks of a multi-process run must keep the same k.
+        The group's first k-1 batches run again (``training_step`` cuts the group Lightning passes again);
+        its last batch goes back to the loader and opens the next group, so no batch is lost.
+        ``replica_ceiling`` keeps the tuner below k.
         """
-        if (
-            len(batches) == 1
-            or self._grouped is None
-            or self.world_size > 1
-            or self.routing is not None
-            or self.accumulating
-        ):
-            raise error  # (with gradients accumulated for this k, k cannot change before the optimizer steps)
+        assert self.stack is not None and self._grouped is not None and self._group is not None
+        k = self.stack.num_replicas - 1
+        if k == 0:
+            raise error
         self._log_capture.clear()
-        if self.root_device.type == "cuda":
-            torch.cuda.empty_cache()
-        k = len(batches) - 1
-        self._grouped.give_back(batches[k:])
+        self._grouped.give_back(self._group[k : len(self._group) if self._group_cut is None else self._group_cut])
+        self._group_cut = k
         self.set_replicas_per_device(k)
         self._resize_replicas(k)
         self.replica_ceiling = k
@@ -701,7 +710,6 @@ class CrossbowStrategy(DDPStrategy):
             f"crossbow: out of memory with replicas_per_device={k + 1} ({error.__class__.__name__}); the step runs"
             f" again with {k} replicas and the last batch opens the next step. k stays at most {k} from now on."
         )
-        return batches[:k]
 
     def _resize_replicas(self, replicas_per_device: int) -> None:
         assert self.stack is not None and self.engine is not None
@@ -815,7 +823,7 @@ class CrossbowStrategy(DDPStrategy):
         def closure_then_corrections() -> Any:
             nonlocal held
             with self.engine.timed():  # an engine="auto" that is still measuring times forward and backward
-                result = closure()  # (the forward and backward may change k, see _back_off)
+                result = self._forward_backward(closure)  # (which may change k, see _back_off)
             if self._step_skipped is not None and bool(self._step_skipped.any()):
                 held = HeldRows(optimizer, self._step_skipped)
             self.averaging.before_local_step(self.stack.buckets, self.num_learners)
@@ -828,6 +836,29 @@ class CrossbowStrategy(DDPStrategy):
             held.restore_()
         self._gradients_pending = False
         return output
+
+    def _forward_backward(self, closure: Callable[[], Any]) -> Any:
+        """Lightning's closure: the replicas' ``training_step`` and backward. Where k may change (one process,
+        no routing, no gradients accumulated for this k), an out-of-memory error in either undoes the attempt
+        (the replicas' buffers, the step's losses, its logs) and runs the closure again with one replica fewer
+        (:meth:`_back_off`), until it fits; with one replica left, the error is raised. A torchmetrics metric
+        that the ``training_step`` updates keeps the update of an attempt that failed in its backward.
+        """
+        assert self.stack is not None
+        if self.world_size > 1 or self.routing is not None or self._grouped is None or self._gradients_pending:
+            return closure()  # every rank must keep the same k; accumulated gradients hold this k
+        losses, skipped = self._step_losses, self._step_skipped
+        while True:
+            self._buffers_before_step.take(self.stack)
+            try:
+                return closure()
+            except torch.cuda.OutOfMemoryError as error:
+                self._buffers_before_step.restore_(self.stack)
+                self._step_losses, self._step_skipped, self._gradients_pending = losses, skipped, False
+                self._back_off(error)
+            # Out of the except block, the error's traceback no longer holds the failed attempt's frames (nor
+            # the activations they reference): only now can that memory go back before the next attempt.
+            release_cached_memory(self.root_device)
 
     def _average(self, optimizer: Optimizer, dropped: Optional[Tensor]) -> bool:
         """The rule's update after the local step, on the averaging stream when the replicas run on streams;

@@ -7,14 +7,18 @@ Every test here is skipped where there is no CUDA device (CI has none). On a GPU
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_crossbow import CrossbowAccelerator, CrossbowStrategy, ReplicaAutoTuner
 from lightning_crossbow.accelerator import device_memory
@@ -116,3 +120,56 @@ def test_two_gpus_over_nccl_keep_z_identical(tmp_path: Path, engine: str) -> Non
     ranks = [torch.load(tmp_path / f"rank{r}.pt", map_location="cpu") for r in range(2)]
     for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
         assert torch.equal(a, b)
+
+
+class WideRegressor(L.LightningModule):
+    """A hidden layer of ``width`` units: each replica's activations take batch x width floats, so that a few
+    replicas fill the memory the test allows while the parameters stay small."""
+
+    def __init__(self, width: int = 2**19) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def wide_fit(k: int, steps: int = 3) -> tuple[CrossbowStrategy, WideRegressor]:
+    """``steps`` fused steps at k of WideRegressor, per-replica batch 256, on one GPU."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256 * 24, 4, generator=generator), torch.randn(256 * 24, generator=generator))
+    strategy, model = CrossbowStrategy(replicas_per_device=k, engine="fused", algorithm="sma"), WideRegressor()
+    fit = trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=steps, max_epochs=-1)
+    fit.fit(model, DataLoader(data, batch_size=256))
+    return strategy, model
+
+
+def test_a_real_out_of_memory_error_backs_off_to_the_k_that_fits_and_loses_nothing() -> None:
+    """The GPU's allocator is capped a little above what k=4 needs at its peak: from k=8 the strategy backs off
+    through 7, 6 and 5 to exactly 4 (a failed step's memory must all be free again for each retry), and the
+    run then equals a k=4 run from the start (the batches of the failed groups open the next ones)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    _, reference = wide_fit(4)
+    peak = torch.cuda.max_memory_reserved(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, 1.12 * peak / total), device)  # k=5 needs about 1.25x
+    try:
+        with pytest.warns(UserWarning, match="out of memory with replicas_per_device=8") as caught:
+            strategy, model = wide_fit(8)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    backed_off = [str(w.message) for w in caught if "out of memory" in str(w.message)]
+    assert len(backed_off) == 4, backed_off  # 8 -> 7 -> 6 -> 5 -> 4
+    assert strategy.replicas_per_device == strategy.replica_ceiling == 4
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, msg=f"z differs in {name}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -165,6 +166,73 @@ def test_out_of_memory_backs_off_and_retries_the_step_losing_no_batch(engine: st
     for index, stacked in enumerate(snapshot.params.values()):
         for j in range(2):
             torch.testing.assert_close(stacked[j], learners[j][index])
+
+
+class NormalizedClassifier(Classifier):
+    """With BatchNorm (running statistics per replica, updated by every forward) and an epoch-mean log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+class EpochLosses(L.Callback):
+    """The epoch-mean ``epoch_loss`` of every epoch."""
+
+    def __init__(self) -> None:
+        self.means: list[Tensor] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.means.append(trainer.callback_metrics["epoch_loss"].clone())
+
+
+class RunsOutOfMemoryInBackwardAbove(NormalizedClassifier):
+    """Raises CUDA's out-of-memory error at the end of the backward whenever more than ``fits`` replicas ran
+    (simulated on CPU): the forward has updated the buffers and logged, the backward has written gradients."""
+
+    def __init__(self, fits: int) -> None:
+        super().__init__()
+        self.fits = fits
+
+    def on_after_backward(self) -> None:
+        if self.trainer.strategy.stack.num_replicas > self.fits:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential", "auto"])
+def test_out_of_memory_in_the_backward_undoes_the_attempt_and_runs_it_again_with_fewer_replicas(engine: str) -> None:
+    """From k=4 where 2 fit, failing after the backward: the run equals a k=2 run from the start, in z, the
+    replicas, their BatchNorm statistics and each epoch's mean log (the failed attempts count for nothing)."""
+    dataset = make_data(num_samples=96)
+    snapshots, logged, group_sizes = [], [], []
+    for model, k in ((RunsOutOfMemoryInBackwardAbove(fits=2), 4), (NormalizedClassifier(), 2)):
+        change, snapshot, losses = ChangeReplicas(at_step=-1, new_k=0), ReplicaSnapshot(), EpochLosses()
+        strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=k, engine=engine)
+        fit = trainer(strategy=strategy, max_epochs=2, callbacks=[change, snapshot, losses])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit.fit(model, loader(dataset))
+        backed_off = [str(w.message) for w in caught if "out of memory" in str(w.message)]
+        assert len(backed_off) == (2 if k == 4 else 0), backed_off  # 4 -> 3 -> 2
+        assert strategy.replicas_per_device == 2
+        snapshots.append((dict(model.named_parameters()), dict(model.named_buffers()), snapshot))
+        logged.append(losses.means)
+        group_sizes.append(change.group_sizes)
+    assert group_sizes[0] == [4] + [2] * 11 and group_sizes[1] == [2] * 12  # the first group ran as 2
+    (z, buffers, replicas), (z_reference, buffers_reference, replicas_reference) = snapshots
+    for name, value in z_reference.items():
+        torch.testing.assert_close(z[name], value, rtol=0, atol=0, msg=f"z differs in {name}")
+    for name, value in buffers_reference.items():
+        torch.testing.assert_close(buffers[name], value, rtol=0, atol=0, msg=f"z's buffer {name} differs")
+    torch.testing.assert_close(replicas.state, replicas_reference.state, rtol=0, atol=0)  # params, buffers, k
+    torch.testing.assert_close(logged[0], logged[1], rtol=0, atol=0)
 
 
 class _Validations(L.Callback):
