@@ -4,6 +4,10 @@ One process, the MNIST-1D paper's CNN on MNIST-1D-shaped data, per-replica batch
 runs crossbow with every fixed k, then a tuned run from k=1 (objective "throughput"), whose
 samples/s is measured over the steps after the tuner has chosen. Repetitions alternate.
 
+It then replays the throughput search on the measured curve (the median samples/s of each fixed k), with
+Gaussian noise of the spread measured between repetitions (and twice that) on every window, 1,000 times
+per climb, with and without the look ahead: how often the search holds a k within 10% of the best.
+
     python benchmarks/tuner.py            # k = 1..8, 3 repetitions
     python benchmarks/tuner.py --quick    # k = 1, 2, 4, 8, 1 repetition
 """
@@ -11,10 +15,12 @@ samples/s is measured over the steps after the tuner has chosen. Repetitions alt
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import lightning as L
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.throughput import bare_trainer, results_dir, samples_per_second, save_result  # noqa: E402
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
+from lightning_crossbow.tuner import TuningRecord  # noqa: E402
 
 
 class AfterChoice(L.Callback):
@@ -75,6 +82,30 @@ def tuned_samples_per_second(
     return rate, tuner.chosen
 
 
+def replayed_searches(
+    curve: dict[int, float], noise: float, climb: str, look_ahead: bool, trials: int = 1000
+) -> dict[str, float]:
+    """The tuner's throughput search (its own ``_decide``) on ``curve``, each window's rate drawn as
+    ``curve[k] * (1 + noise * N(0, 1))``: the share of searches that hold within 10% of the best k's rate, the
+    median of held rate / best rate, and the mean number of windows."""
+    best, rng = max(curve.values()), random.Random(0)
+    device = SimpleNamespace(replica_ceiling=None, stack=None, replicas_fitting_an_epoch=lambda: None)
+    ratios, windows = [], []
+    for _ in range(trials):
+        tuner = ReplicaAutoTuner(climb=climb, look_ahead=look_ahead, max_replicas=max(curve), plot=False)
+        k = min(curve)
+        while tuner.chosen is None:
+            tuner.history.append(TuningRecord(len(tuner.history), k, curve[k] * (1 + noise * rng.gauss(0, 1))))
+            k = tuner._decide(k, device)
+        ratios.append(curve[tuner.chosen] / best)
+        windows.append(len(tuner.history))
+    return {
+        "within_10_percent": sum(r >= 0.9 for r in ratios) / trials,
+        "median_ratio": statistics.median(ratios),
+        "mean_windows": statistics.fmean(windows),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -92,6 +123,14 @@ def main() -> None:
         tuned.append(rate)
         chosen.append(k_chosen)
     best_k = max(ks, key=lambda k: statistics.median(fixed[k]))
+    curve = {k: statistics.median(fixed[k]) for k in ks}
+    spread = statistics.median(statistics.pstdev(v) / statistics.fmean(v) for v in fixed.values())
+    replayed = [
+        {"noise": noise, "climb": climb, "look_ahead": look, **replayed_searches(curve, noise, climb, look)}
+        for noise in (spread, 2 * spread)
+        for climb in ("linear", "doubling")
+        for look in (True, False)
+    ]
     ratio = statistics.median(t / max(fixed[k][i] for k in ks) for i, t in enumerate(tuned))
     save_result(
         results_dir(args.quick) / "tuner.json",
@@ -101,11 +140,19 @@ def main() -> None:
         chosen=chosen,
         best_fixed_k=best_k,
         tuned_over_best_fixed=ratio,
+        replayed_searches=replayed,
     )
     for k in ks:
         print(f"fixed k={k}: {statistics.median(fixed[k]):.0f} samples/s")
-    print(f"tuned: {statistics.median(tuned):.0f} samples/s, chose k = {chosen}; best fixed k = {best_k};"
-          f" tuned / best fixed (median of per-repetition ratios) = {ratio:.2f}")
+    print(
+        f"tuned: {statistics.median(tuned):.0f} samples/s, chose k = {chosen}; best fixed k = {best_k};"
+        f" tuned / best fixed (median of per-repetition ratios) = {ratio:.2f}"
+    )
+    for r in replayed:
+        print(
+            f"replayed search, noise {r['noise']:.3f}, {r['climb']}, look_ahead={r['look_ahead']}: within 10% of"
+            f" the best in {r['within_10_percent']:.0%}, median {r['median_ratio']:.2f}, {r['mean_windows']:.1f} windows"
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ timing fused against streams (CUDA).
   doubles k while the replicas pay off and then halves the gap. Both hold at the same k when each
   replica pays off less than the one before; doubling spends fewer windows at small k on the way up
   (k=16 after 8 windows instead of 16) for a few more windows when the best k is small. Before it holds, it
-  measures the last pair (k, k+1) once more and judges on both windows of each. Every
+  measures the last pair (k, k+1) once more and judges on both windows of each; then it judges k+2 against
+  k (``look_ahead``: the two replicas' mean gain), so that one replica that adds nothing does not stop the
+  climb below a k that pays off. Every
   ``recheck_every`` windows' worth of steps it searches again from the held k, starting with one more
   replica.
 - ``objective="progress"``: time to accuracy is time per sample x samples to accuracy (Omnivore), and
@@ -69,14 +71,15 @@ class TuningRecord:
 class Climb:
     """Where the throughput search stands (see ``ReplicaAutoTuner._decide``): the largest k whose last
     replica paid off (``low``), the smallest k whose last replica did not (``high``, None until found), the k
-    being judged (``probe``), whether this judgement is the second look before holding, whether this is a
-    search again from a held k (its first probe is one more replica, whatever the climb), and the k judged
-    not to pay off so far."""
+    being judged (``probe``), whether this judgement is the second look before holding, whether the probe is
+    a look ahead (``low + 2``, judged against ``low``), whether this is a search again from a held k (its first
+    probe is one more replica, whatever the climb), and the k judged not to pay off so far."""
 
     low: Optional[int] = None
     high: Optional[int] = None
     probe: Optional[int] = None
     confirming: bool = False
+    ahead: bool = False
     again: bool = False
     failed: list[int] = field(default_factory=list)  #: every k judged not to pay off in one window
 
@@ -102,6 +105,11 @@ class ReplicaAutoTuner(Callback):
             Doubling reaches the best samples/s sooner, but the slower climb reached the accuracy targets
             sooner in benchmarks/RESULTS.md: the epochs at small k early on are worth more (fewer learners
             need fewer epochs).
+        look_ahead: ``"throughput"`` only: before holding at k, judge ``k + 2`` against k as well (the mean gain
+            of the two replicas), so that one replica that adds nothing (a flat step in the device's throughput,
+            where a batched kernel changes its blocking, say) does not stop the climb below a k that pays off.
+            Where each replica pays off less than the one before, the pair pays off less than the first of them,
+            so the tuner holds at the same k, one window later. ``False`` is Crossbow's rule exactly.
         recheck_every: once it holds, the tuner explores again (from the held k, with the same rule) after
             this many windows' worth of steps, so that a choice made on noisy windows, or on conditions that
             changed, is revisited; ``None`` holds for good.
@@ -119,6 +127,7 @@ class ReplicaAutoTuner(Callback):
         warmup: int = 3,
         threshold: float = 0.1,
         climb: Literal["linear", "doubling"] = "linear",
+        look_ahead: bool = True,
         recheck_every: Optional[int] = 10,
         clock: Callable[[], float] = time.perf_counter,
         plot: Union[str, Path, None, Literal[False]] = None,
@@ -131,12 +140,15 @@ class ReplicaAutoTuner(Callback):
         check_real("threshold", threshold, ">= 0", lambda value: value >= 0)
         if climb not in CLIMBS:
             raise ValueError(f"climb must be one of {', '.join(map(repr, CLIMBS))}, got {climb!r}.")
+        if not isinstance(look_ahead, bool):
+            raise ValueError(f"look_ahead must be True or False, got {look_ahead!r}.")
         if recheck_every is not None:
             check_int("recheck_every", recheck_every, note=" or None")
         self.objective = objective
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         self.window, self.warmup, self.threshold = window, warmup, float(threshold)
         self.climb = climb
+        self.look_ahead = look_ahead
         self.recheck_every = recheck_every
         self.clock = clock
         self.plot = plot
@@ -273,8 +285,10 @@ class ReplicaAutoTuner(Callback):
         ``low+1`` (``climb="linear"``, Crossbow's) or ``2 low`` (``"doubling"``) while there is no ``high``,
         then halves the gap; a search again from a held k probes ``low+1`` first. When the gap closes
         (``high = low + 1``) the pair is measured once more and judged on both windows of each, so one noisy
-        window neither stops the climb early nor settles on a k that the second look refutes: the tuner holds
-        ``low``, or climbs on from ``high``. A probe that no longer fits (memory) counts as not paying off.
+        window neither stops the climb early nor settles on a k that the second look refutes: the tuner climbs
+        on from ``high``, or (``look_ahead``) judges ``low + 2`` against ``low``'s windows,
+        ``(R_{low+2} - R_low) / (2 R_low / low) > threshold``, and climbs on from ``low + 2`` or holds ``low``.
+        A probe that no longer fits (memory) counts as not paying off.
         """
         climb = self._climb
         if climb.low is None:  # the first window of an exploration: where it starts
@@ -284,13 +298,26 @@ class ReplicaAutoTuner(Callback):
         assert probe is not None
         if probe > self._ceiling(k, strategy):  # it no longer fits (an out-of-memory back-off, less free memory)
             climb.confirming, climb.high = False, probe
+            if climb.ahead:
+                climb.ahead = False
+                return self._hold(climb.low)
             return self._next_probe(k, strategy)
         if k != probe:  # this window measured probe - 1 (or k moved by a back-off): now the probe, after probe - 1
             return probe if k == probe - 1 else probe - 1
-        paid = self._gain(probe, windows=2 if climb.confirming else 1) > self.threshold
-        if climb.confirming:
+        base = climb.low if climb.ahead else probe - 1
+        paid = self._gain(probe, base, windows=2 if climb.confirming else 1) > self.threshold
+        if climb.ahead:
+            climb.ahead = False
+            if not paid:
+                return self._hold(climb.low)
+            climb.low = probe  # the pair paid off: the climb goes on from low + 2
+            climb.high = min((failed for failed in climb.failed if failed > probe), default=None)
+        elif climb.confirming:
             climb.confirming = False
             if not paid:
+                if self.look_ahead and climb.low + 2 <= self._ceiling(k, strategy):
+                    climb.ahead, climb.probe = True, climb.low + 2  # judged against the windows at low
+                    return climb.probe
                 return self._hold(climb.low)
             climb.low = probe  # the second look refuted the failure; a failure further up still stands
             climb.high = min((failed for failed in climb.failed if failed > probe), default=None)
@@ -324,15 +351,15 @@ class ReplicaAutoTuner(Callback):
         self.chosen = max(k, self.min_replicas)
         return self.chosen
 
-    def _gain(self, k: int, windows: int) -> float:
-        """The k-th replica's share of samples/s, in units of an average replica's at ``k-1``, over the last
-        ``windows`` windows at each."""
-        lower = [r.samples_per_sec for r in self.history if r.replicas_per_device == k - 1][-windows:]
+    def _gain(self, k: int, base: int, windows: int) -> float:
+        """What each replica from ``base`` to ``k`` added to samples/s, in units of an average replica's at
+        ``base``: ``(R_k - R_base) / ((k - base) R_base / base)``, over the last ``windows`` windows at each."""
+        lower = [r.samples_per_sec for r in self.history if r.replicas_per_device == base][-windows:]
         upper = [r.samples_per_sec for r in self.history if r.replicas_per_device == k][-windows:]
         if not lower or not upper or sum(lower) <= 0:
             return -math.inf  # nothing to compare with: not shown to pay off
         lower_rate, upper_rate = sum(lower) / len(lower), sum(upper) / len(upper)
-        return (upper_rate - lower_rate) / (lower_rate / (k - 1))
+        return (upper_rate - lower_rate) / ((k - base) * lower_rate / base)
 
     def _decide_progress(self, record: TuningRecord, strategy: Any) -> int:
         """A-B-A: measure k, then k+1, then k again; keep k+1 if it beats the mean of both k windows."""

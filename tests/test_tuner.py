@@ -129,11 +129,12 @@ def tuned_fit(
 @pytest.mark.parametrize(
     ("climb", "windows"),
     [
-        # Crossbow's climb: one replica at a time; k=5 adds nothing, so k=4 and k=5 are measured once more.
-        ("linear", [1, 2, 3, 4, 5, 4, 5]),
+        # Crossbow's climb: one replica at a time; k=5 adds nothing, so k=4 and k=5 are measured once more, and
+        # k=6 is judged against k=4 (the look ahead) before holding.
+        ("linear", [1, 2, 3, 4, 5, 4, 5, 6]),
         # Doubling: P(2), P(4) (3 then 4) pay off, P(8) (7 then 8) does not; P(6) (5, 6) does not either, nor
-        # P(5) (4, 5); the closed gap (4, 5) is measured once more before holding at 4.
-        ("doubling", [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5]),
+        # P(5) (4, 5); the closed gap (4, 5) is measured once more, and k=6 against k=4, before holding at 4.
+        ("doubling", [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5, 6]),
     ],
 )
 def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path, climb: str, windows: list[int]) -> None:
@@ -151,10 +152,14 @@ def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path, climb: str, windo
 
 
 def search(
-    climb: str, rate: Callable[[int], float], max_replicas: int = 16, fitting_an_epoch: Optional[int] = None
+    climb: str,
+    rate: Callable[[int], float],
+    max_replicas: int = 16,
+    fitting_an_epoch: Optional[int] = None,
+    look_ahead: bool = True,
 ) -> tuple[int, list[int]]:
     """Runs the throughput search on exact rates, window by window; returns the k it holds and the windows."""
-    tuner = ReplicaAutoTuner(climb=climb, max_replicas=max_replicas, threshold=0.1)
+    tuner = ReplicaAutoTuner(climb=climb, max_replicas=max_replicas, threshold=0.1, look_ahead=look_ahead)
     device = SimpleNamespace(  # no memory bound
         replica_ceiling=None, stack=None, replicas_fitting_an_epoch=lambda: fitting_an_epoch
     )
@@ -208,19 +213,44 @@ CURVES = {
 }
 
 
+@pytest.mark.parametrize("look_ahead", [True, False])
 @pytest.mark.parametrize("curve", list(CURVES))
-def test_doubling_holds_where_crossbows_linear_climb_does(curve: str) -> None:
+def test_doubling_holds_where_crossbows_linear_climb_does(curve: str, look_ahead: bool) -> None:
     """Where each added replica pays off less than the one before, both climbs hold at the k of Crossbow's
-    rule. At the top of the range doubling gets there in 8 windows instead of 16, and forgoes less
-    throughput on the way (the sum over windows of 1 - R_k / R_best)."""
+    rule, with the look ahead or without. At the top of the range doubling gets there in 8 windows instead of
+    16, and forgoes less throughput on the way (the sum over windows of 1 - R_k / R_best)."""
     rate = CURVES[curve]
     expected = crossbow_rule(rate)
-    (linear, linear_windows), (doubling, doubling_windows) = search("linear", rate), search("doubling", rate)
+    (linear, linear_windows), (doubling, doubling_windows) = (
+        search("linear", rate, look_ahead=look_ahead),
+        search("doubling", rate, look_ahead=look_ahead),
+    )
     assert linear == doubling == expected
     if expected == 16:  # k = 1, 2, 3, 4, 7, 8, 15, 16 against 1 .. 16
         assert doubling_windows == [1, 2, 3, 4, 7, 8, 15, 16] and linear_windows == list(range(1, 17))
         forgone = lambda windows: sum(1 - rate(k) / rate(16) for k in windows)  # noqa: E731
         assert forgone(doubling_windows) < forgone(linear_windows)
+
+
+def flat_at(*flat: int) -> Callable[[int], float]:
+    """Linear throughput, except that each replica in ``flat`` adds a twentieth of a replica's share only."""
+    return lambda k: k - 0.95 * sum(1 for j in flat if j <= k)
+
+
+@pytest.mark.parametrize(
+    ("flat", "look_ahead", "held", "windows"),
+    [
+        ((5,), False, 4, [1, 2, 3, 4, 5, 4, 5]),  # Crossbow's rule: the flat fifth replica stops the climb
+        ((5,), True, 8, [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]),  # 6 against 4 pays off: the climb goes on to the top
+        ((5, 6), True, 4, [1, 2, 3, 4, 5, 4, 5, 6]),  # two flat replicas in a row: the pair does not pay off
+    ],
+)
+def test_the_look_ahead_climbs_past_one_flat_replica(
+    flat: tuple[int, ...], look_ahead: bool, held: int, windows: list[int]
+) -> None:
+    rate = flat_at(*flat)
+    assert crossbow_rule(rate, max_replicas=8) == 4
+    assert search("linear", rate, max_replicas=8, look_ahead=look_ahead) == (held, windows)
 
 
 def test_one_slow_window_does_not_stop_the_climb(tmp_path) -> None:
@@ -236,16 +266,16 @@ def test_one_slow_window_does_not_stop_the_climb(tmp_path) -> None:
 CLIMB_TRACES = {
     # climb: (the step after which the step times change (after the first hold), the last step (while it holds),
     # windows until it holds 4, windows of the search again from 4 under the new step times)
-    "linear": (40, 85, [1, 2, 3, 4, 5, 4, 5], [4, 5, 6, 7, 6, 7]),  # P(5), P(6) pay off, P(7) fails twice
-    # from 4: P(5) pays off, P(10) does not, nor P(7); P(6) does; P(7) fails again
-    "doubling": (65, 130, [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5], [4, 5, 9, 10, 6, 7, 5, 6, 6, 7]),
+    "linear": (45, 95, [1, 2, 3, 4, 5, 4, 5, 6], [4, 5, 6, 7, 6, 7, 8]),  # P(5), P(6) pay off, P(7) fails twice
+    # from 4: P(5) pays off, P(10) does not, nor P(7); P(6) does; P(7) fails again (and 8 against 6)
+    "doubling": (70, 140, [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5, 6], [4, 5, 9, 10, 6, 7, 5, 6, 6, 7, 8]),
 }
 
 
 @pytest.mark.parametrize("climb", list(CLIMB_TRACES))
 @pytest.mark.parametrize(("recheck_every", "expected"), [(2, 6), (None, 4)])
 def test_the_tuner_explores_again_after_holding(tmp_path, recheck_every, expected: int, climb: str) -> None:
-    """It holds at k=4 (by step 40 or 65); the device then favours more replicas (best by Crossbow's rule: 6).
+    """It holds at k=4 (by step 40 or 65, each search ending with a look ahead); the device then favours more replicas (best by Crossbow's rule: 6).
     Exploring again after 2 windows' worth of held steps finds 6; holding for good stays at 4."""
     late = lambda k: k / (1.0 + 0.02 * k * k)  # noqa: E731
     assert max(k for k in range(4, 9) if k == 4 or (late(k) - late(k - 1)) / (late(k - 1) / (k - 1)) > 0.1) == 6
@@ -317,7 +347,7 @@ def test_a_run_resumed_mid_search_goes_on_with_the_same_search(tmp_path) -> None
     assert [r.replicas_per_device for r in tuner.history] == [1, 2, 3, 4] and tuner.chosen is None
     fit.save_checkpoint(tmp_path / "searching.ckpt")
     resumed_tuner, _ = tuned_fit(tmp_path, max_steps=80, ckpt_path=tmp_path / "searching.ckpt", climb="doubling")
-    assert [r.replicas_per_device for r in resumed_tuner.history] == [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5]
+    assert [r.replicas_per_device for r in resumed_tuner.history] == [1, 2, 3, 4, 7, 8, 5, 6, 4, 5, 4, 5, 6]
     assert resumed_tuner.chosen == 4
 
 
@@ -338,6 +368,7 @@ def test_the_tuner_needs_the_crossbow_strategy() -> None:
         ({"threshold": float("inf")}, "threshold must be a number >= 0, got inf"),
         ({"recheck_every": 0}, "recheck_every must be a positive int .* or None"),
         ({"climb": "binary"}, "climb must be one of"),
+        ({"look_ahead": "yes"}, "look_ahead must be True or False, got 'yes'"),
     ],
 )
 def test_bad_tuner_arguments(kwargs: dict, message: str) -> None:
