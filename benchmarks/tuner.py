@@ -60,7 +60,7 @@ class AfterChoice(L.Callback):
 
 
 def tuned_samples_per_second(
-    batch_size: int, max_replicas: int, steps_after: int, window: int
+    batch_size: int, max_replicas: int, steps_after: int, window: int, accelerator: str = "cpu"
 ) -> tuple[float, Optional[int]]:
     torch.manual_seed(0)
     n = 4000 * batch_size  # more than the tuner and the measurement need: the run stops by max_steps
@@ -76,7 +76,7 @@ def tuned_samples_per_second(
             if after.start is not None and after.samples >= steps_after * trainer.strategy.samples_per_step:
                 trainer.should_stop = True
 
-    trainer = bare_trainer(CrossbowStrategy(1), callbacks=[tuner, after, StopAfter()])
+    trainer = bare_trainer(CrossbowStrategy(1), accelerator=accelerator, callbacks=[tuner, after, StopAfter()])
     trainer.fit(Classifier(conv1d_net(40, 10), lr=0.01), DataLoader(data, batch_size=batch_size))
     rate = after.samples / after.seconds if after.seconds > 0 else float("nan")
     return rate, tuner.chosen
@@ -110,6 +110,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--window", type=int, default=20, help="the tuner's window (steps per measurement)")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", type=Path, help="default: benchmarks/out/tuner.json (out/quick/ with --quick)")
     args = parser.parse_args()
     ks, repeats, steps = ([1, 2, 4, 8], 1, 30) if args.quick else (list(range(1, 9)), 3, 60)
     b = 16
@@ -118,8 +120,10 @@ def main() -> None:
     chosen: list[Optional[int]] = []
     for _ in range(repeats):
         for k in ks:
-            fixed[k].append(samples_per_second(CrossbowStrategy(k, engine="fused"), k, b, steps, 5))
-        rate, k_chosen = tuned_samples_per_second(b, max(ks), steps, args.window)
+            fixed[k].append(
+                samples_per_second(CrossbowStrategy(k, engine="fused"), k, b, steps, 5, accelerator=args.accelerator)
+            )
+        rate, k_chosen = tuned_samples_per_second(b, max(ks), steps, args.window, args.accelerator)
         tuned.append(rate)
         chosen.append(k_chosen)
     best_k = max(ks, key=lambda k: statistics.median(fixed[k]))
@@ -133,8 +137,11 @@ def main() -> None:
     ]
     ratio = statistics.median(t / max(fixed[k][i] for k in ks) for i, t in enumerate(tuned))
     save_result(
-        results_dir(args.quick) / "tuner.json",
-        "python benchmarks/tuner.py" + (" --quick" if args.quick else "") + f" --window {args.window}",
+        args.out or results_dir(args.quick) / "tuner.json",
+        "python benchmarks/tuner.py"
+        + (" --quick" if args.quick else "")
+        + f" --window {args.window}"
+        + (f" --accelerator {args.accelerator}" if args.accelerator != "cpu" else ""),
         fixed={str(k): v for k, v in fixed.items()},
         tuned=tuned,
         chosen=chosen,
