@@ -551,6 +551,7 @@ class CrossbowStrategy(DDPStrategy):
             batches = batches[: self._group_cut]
         else:
             self._group, self._group_cut = batches, None
+            self._log_capture.clear()  # (what a step that raised left uncaught)
         if not isinstance(batches, list) or len(batches) != self.stack.num_replicas:
             raise RuntimeError("crossbow expected a group of replicas_per_device batches from its training loader.")
         module = self.lightning_module
@@ -587,10 +588,16 @@ class CrossbowStrategy(DDPStrategy):
 
     def _replay_logs(self) -> None:
         """Logs what the replicas logged (their mean) and crossbow's own metrics, once the step's backward has
-        run: a step that runs out of memory in its backward and runs again with fewer replicas logs once."""
+        run: a step that runs out of memory in its backward and runs again with fewer replicas logs once. They
+        are logged as ``training_step``'s (Lightning keys a logged value by the hook that logs it). Hooks that
+        run inside the backward read the previous step's values in ``trainer.callback_metrics``."""
         module = self.lightning_module
-        self._log_capture.replay(module)
-        self._log_crossbow_metrics(module)
+        hook, module._current_fx_name = module._current_fx_name, "training_step"
+        try:
+            self._log_capture.replay(module)
+            self._log_crossbow_metrics(module)
+        finally:
+            module._current_fx_name = hook
 
     # ------------------------------------------------------------------------- changing k
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
@@ -688,6 +695,11 @@ class CrossbowStrategy(DDPStrategy):
         fetcher = getattr(fit_loop, "_data_fetcher", None)
         if fetcher is not None and getattr(fetcher, "length", None) is not None:
             fetcher.length = epoch_length
+            if fetcher.fetched > 0 and not isinstance(getattr(type(fetcher), "done", None), property):
+                # Batches given back after the epoch's last group was fetched (an out-of-memory back-off), or
+                # left over at a smaller k, make more groups: the group in progress is no longer the last.
+                fetcher.done = fetcher.fetched >= epoch_length
+                fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
 
     def _back_off(self, error: BaseException) -> None:
         """After an out-of-memory error in the step's forward or backward: one replica fewer from now on.
@@ -842,7 +854,8 @@ class CrossbowStrategy(DDPStrategy):
         no routing, no gradients accumulated for this k), an out-of-memory error in either undoes the attempt
         (the replicas' buffers, the step's losses, its logs) and runs the closure again with one replica fewer
         (:meth:`_back_off`), until it fits; with one replica left, the error is raised. A torchmetrics metric
-        that the ``training_step`` updates keeps the update of an attempt that failed in its backward.
+        that the ``training_step`` updates, and what ``on_before_backward`` and ``on_after_backward`` log, keep
+        what an attempt that failed in its backward gave them.
         """
         assert self.stack is not None
         if self.world_size > 1 or self.routing is not None or self._grouped is None or self._gradients_pending:
@@ -1149,6 +1162,7 @@ class CrossbowStrategy(DDPStrategy):
             "version": _CHECKPOINT_VERSION,
             "algorithm": self.algorithm,
             "replicas_per_device": self.replicas_per_device,
+            "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
@@ -1169,8 +1183,12 @@ class CrossbowStrategy(DDPStrategy):
         else:
             # (a heterogeneous run's checkpoint with different learners per rank re-seeds)
             even = state is not None and len(set(state.get("split") or (0,))) == 1
-            if even and self.restore_replicas_per_device and state["replicas_per_device"] != self.replicas_per_device:
-                self._resize_replicas(state["replicas_per_device"])  # a tuned k (per device) carries on
+            ceiling = state.get("replica_ceiling") if state is not None else None
+            if ceiling is not None:  # the run backed off after running out of memory: it stays below
+                self.replica_ceiling = min(ceiling, self.replica_ceiling or ceiling)
+            carry_on = self.restore_replicas_per_device or (ceiling is not None and self.replicas_per_device > ceiling)
+            if even and carry_on and state["replicas_per_device"] != self.replicas_per_device:
+                self._resize_replicas(state["replicas_per_device"])  # a tuned, or backed-off, k (per device) carries on
             same_layout = (
                 even
                 and state["replicas_per_device"] == self.replicas_per_device
@@ -1247,6 +1265,9 @@ class CrossbowStrategy(DDPStrategy):
         self.engine = None
         self._step_losses = self._step_skipped = None
         self._gradients_pending = False  # (a fit may stop between two accumulated batches)
+        self._group = self._group_cut = None  # (a fit may stop by an error in a step)
+        self._log_capture.clear()
+        self._buffers_before_step.clear()
         for patched in ("clip_grad_by_norm", "_after_closure"):
             vars(self.precision_plugin).pop(patched, None)
         if self._lightning_module is not None:

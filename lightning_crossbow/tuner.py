@@ -300,7 +300,7 @@ class ReplicaAutoTuner(Callback):
             climb.confirming, climb.high = False, probe
             if climb.ahead:
                 climb.ahead = False
-                return self._hold(climb.low)
+                return self._hold(climb.low, strategy)
             return self._next_probe(k, strategy)
         if k != probe:  # this window measured probe - 1 (or k moved by a back-off): now the probe, after probe - 1
             return probe if k == probe - 1 else probe - 1
@@ -309,7 +309,7 @@ class ReplicaAutoTuner(Callback):
         if climb.ahead:
             climb.ahead = False
             if not paid:
-                return self._hold(climb.low)
+                return self._hold(climb.low, strategy)
             climb.low = probe  # the pair paid off: the climb goes on from low + 2
             climb.high = min((failed for failed in climb.failed if failed > probe), default=None)
         elif climb.confirming:
@@ -318,7 +318,7 @@ class ReplicaAutoTuner(Callback):
                 if self.look_ahead and climb.low + 2 <= self._ceiling(k, strategy):
                     climb.ahead, climb.probe = True, climb.low + 2  # judged against the windows at low
                     return climb.probe
-                return self._hold(climb.low)
+                return self._hold(climb.low, strategy)
             climb.low = probe  # the second look refuted the failure; a failure further up still stands
             climb.high = min((failed for failed in climb.failed if failed > probe), default=None)
         elif paid:
@@ -343,12 +343,14 @@ class ReplicaAutoTuner(Callback):
             target = (climb.low + climb.high) // 2
         target = min(target, self._ceiling(k, strategy))
         if target <= climb.low:
-            return self._hold(climb.low)
+            return self._hold(climb.low, strategy)
         climb.probe = target
         return target if k == target - 1 else target - 1
 
-    def _hold(self, k: int) -> int:
-        self.chosen = max(k, self.min_replicas)
+    def _hold(self, k: int, strategy: Any) -> int:
+        """Holds k, within ``min_replicas`` and the ceiling (which an out-of-memory back-off may have lowered
+        below a k already judged to pay off)."""
+        self.chosen = max(min(k, self._ceiling(k, strategy)), self.min_replicas)
         return self.chosen
 
     def _gain(self, k: int, base: int, windows: int) -> float:

@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.data import TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
 from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, make_net, reference_sma_step, trainer
@@ -233,6 +234,92 @@ def test_out_of_memory_in_the_backward_undoes_the_attempt_and_runs_it_again_with
         torch.testing.assert_close(buffers[name], value, rtol=0, atol=0, msg=f"z's buffer {name} differs")
     torch.testing.assert_close(replicas.state, replicas_reference.state, rtol=0, atol=0)  # params, buffers, k
     torch.testing.assert_close(logged[0], logged[1], rtol=0, atol=0)
+
+
+class RecordsTrainedBatches(Classifier):
+    """Runs out of memory (simulated) in the backward when more than ``fits`` replicas run from ``global_step``
+    ``from_step`` on, and records the index of every batch whose step went through (its first sample's label)."""
+
+    def __init__(self, fits: int, from_step: int) -> None:
+        super().__init__()
+        self.fits, self.from_step = fits, from_step
+        self.attempt: list[int] = []
+        self.trained: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.attempt.append(int(batch[1][0]))
+        return super().training_step((batch[0], batch[1] % 3), batch_idx)
+
+    def on_after_backward(self) -> None:
+        attempt, self.attempt = self.attempt, []
+        if self.trainer.global_step >= self.from_step and self.trainer.strategy.stack.num_replicas > self.fits:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        self.trained += attempt
+
+
+class LogsWhetherItFits(RecordsTrainedBatches):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.log("fits", float(self.fits > 0))
+        return super().training_step(batch, batch_idx)
+
+
+def numbered_batches(batches: int) -> TensorDataset:
+    """``batches`` batches of 8 samples for ``loader``; every label of batch i is 3 i (mod 3: class 0)."""
+    x, _ = make_data(num_samples=8 * batches)[:]
+    return TensorDataset(x, torch.arange(batches).repeat_interleave(8) * 3)
+
+
+@pytest.mark.parametrize(
+    ("k", "fits", "batches", "steps"),
+    [
+        (2, 1, 12, 5 + 2),  # groups 0-1 .. 8-9; 10-11 backs off to 10, then 11
+        (4, 3, 14, 2 + 2),  # groups 0-3, 4-7; 8-11 backs off to 8-10, then 11-13 (with the 2 left over at k=4)
+    ],
+)
+def test_a_back_off_in_the_epochs_last_group_trains_the_batches_it_gave_back(
+    k: int, fits: int, batches: int, steps: int
+) -> None:
+    """The epoch's last group runs out of memory: the batches it gives back open one more group in the epoch."""
+    model = RecordsTrainedBatches(fits=fits, from_step=batches // k - 1)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=k, engine="sequential"))
+    with pytest.warns(UserWarning, match="out of memory"):
+        fit.fit(model, loader(numbered_batches(batches)))
+    assert [index // 3 for index in model.trained] == list(range(batches))  # each batch once, in order
+    assert fit.global_step == steps
+
+
+def test_an_error_at_one_replica_is_raised_and_the_next_fit_starts_clean() -> None:
+    """Out of memory at k=1 cannot back off: it is raised, and nothing of the failed step (its logs, its group,
+    its buffers' copy) is left for the next fit of the same strategy."""
+    model = LogsWhetherItFits(fits=0, from_step=0)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), limit_train_batches=1)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fit.fit(model, loader(make_data()))
+    model.fits = 1
+    fit.fit(model, loader(make_data()))
+    assert fit.global_step == 1 and model.trained == [0]
+    assert float(fit.callback_metrics["fits"]) == 1.0  # the failed step's 0 is not in the mean
+
+
+def test_a_run_resumed_after_a_back_off_carries_on_with_the_k_that_fits(tmp_path) -> None:
+    """The checkpoint keeps the k the strategy backed off to and its ceiling: resumed with the user's k=4 (and
+    no tuner), the run goes on at k=2 and equals the uninterrupted run."""
+
+    def run(epochs: int, ckpt_path: Any = None) -> tuple[CrossbowStrategy, L.Trainer, nn.Module]:
+        strategy, model = CrossbowStrategy(algorithm="sma", replicas_per_device=4), RunsOutOfMemoryInBackwardAbove(2)
+        fit = trainer(strategy=strategy, max_epochs=epochs, default_root_dir=tmp_path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit.fit(model, loader(make_data(num_samples=96)), ckpt_path=ckpt_path)
+        return strategy, fit, model
+
+    _, _, uninterrupted = run(2)
+    _, first, _ = run(1)
+    first.save_checkpoint(tmp_path / "backed_off.ckpt")
+    strategy, _, resumed = run(2, ckpt_path=tmp_path / "backed_off.ckpt")
+    assert strategy.replicas_per_device == strategy.replica_ceiling == 2
+    for (name, value), expected in zip(resumed.state_dict().items(), uninterrupted.state_dict().values(), strict=True):
+        torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=f"{name} differs")
 
 
 class _Validations(L.Callback):

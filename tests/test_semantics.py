@@ -285,6 +285,28 @@ def test_logged_values_are_the_mean_over_replicas(engine: str) -> None:
     assert float(t.callback_metrics["const"]) == 3.0
 
 
+class _SkipsEveryThirdBatch(Classifier):
+    """Logs per-batch epoch aggregates, and skips (returns None from) every third batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.log("batch_idx", float(batch_idx), on_step=False, on_epoch=True)
+        self.log("logged", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 3 == 0 else loss
+
+
+def test_epoch_aggregates_count_skipped_and_trained_steps_alike() -> None:
+    """A step whose replicas all return None logs as a trained one does (as one value of training_step's):
+    at k=1 the epoch aggregates are plain Lightning's."""
+    results = []
+    for strategy in (CrossbowStrategy(replicas_per_device=1), "auto"):
+        fit = trainer(strategy=strategy)
+        fit.fit(_SkipsEveryThirdBatch(), loader(make_data(num_samples=96)))  # 12 batches
+        results.append({key: float(value) for key, value in fit.callback_metrics.items() if "/" not in key})
+    assert results[0] == results[1]
+    assert (results[1]["batch_idx"], results[1]["logged"]) == (5.5, 12.0)
+
+
 class _WithMetric(Classifier):
     def __init__(self) -> None:
         super().__init__()

@@ -198,6 +198,22 @@ def test_a_probe_that_ran_out_of_memory_is_not_tried_again(climb: str, windows: 
     assert chosen == 5 and measured == windows
 
 
+@pytest.mark.parametrize("look_ahead", [True, False])
+def test_the_tuner_holds_within_a_ceiling_that_fell_below_what_paid_off(look_ahead: bool) -> None:
+    """k = 1..4 paid off; the window at 5 ran out of memory down to 2 (free memory shrank): it holds 2, not 4."""
+    tuner = ReplicaAutoTuner(max_replicas=8, threshold=0.1, look_ahead=look_ahead)
+    device = SimpleNamespace(replica_ceiling=None, stack=None, replicas_fitting_an_epoch=lambda: None)
+    k, windows = 1, []
+    while tuner.chosen is None:
+        if k == 5:
+            k, device.replica_ceiling = 2, 2
+        tuner.history.append(TuningRecord(len(windows), k, float(k)))
+        windows.append(k)
+        k = tuner._decide(k, device)
+        assert len(windows) < 50
+    assert windows == [1, 2, 3, 4, 2] and tuner.chosen == k == 2
+
+
 def crossbow_rule(rate: Callable[[int], float], max_replicas: int = 16, threshold: float = 0.1) -> int:
     """Crossbow's rule written out: add a replica while the added one pays off more than ``threshold``."""
     k = 1
