@@ -348,9 +348,9 @@ class ReplicaAutoTuner(Callback):
         return target if k == target - 1 else target - 1
 
     def _hold(self, k: int, strategy: Any) -> int:
-        """Holds k, within ``min_replicas`` and the ceiling (which an out-of-memory back-off may have lowered
-        below a k already judged to pay off)."""
-        self.chosen = max(min(k, self._ceiling(k, strategy)), self.min_replicas)
+        """Holds k, at least ``min_replicas`` and at most the ceiling (which an out-of-memory back-off may have
+        lowered below a k already judged to pay off, or below ``min_replicas``)."""
+        self.chosen = min(max(k, self.min_replicas), self._ceiling(k, strategy))
         return self.chosen
 
     def _gain(self, k: int, base: int, windows: int) -> float:
