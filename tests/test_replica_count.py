@@ -107,6 +107,16 @@ class ChangeReplicasAtBatch(ChangeReplicas):
             trainer.strategy.set_replicas_per_device(self.new_k)
 
 
+def test_a_smaller_k_at_the_epochs_last_step_trains_the_batches_left_over_in_that_epoch() -> None:
+    """14 batches at k=4 make 3 groups and leave 2 over; k=2 asked for after the third group makes them one
+    more group of that epoch (Lightning had marked the third group the last)."""
+    change = ChangeReplicasAtBatch(at_step=2, new_k=2)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=4), callbacks=[change], max_epochs=2)
+    fit.fit(Classifier(), loader(make_data(num_samples=8 * 14)))
+    assert change.group_sizes == [4, 4, 4, 2] + [2] * 7
+    assert fit.global_step == 4 + 7
+
+
 def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
     change = ChangeReplicasAtBatch(at_step=2, new_k=4)  # batch 2 opens an accumulation window of 2
     fit = trainer(
