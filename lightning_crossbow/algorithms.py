@@ -344,17 +344,19 @@ class ScaledAveraging(Averaging):
         learners that stepped (:func:`learners_stepped`), after ``sum_j |d_j|^2`` when measuring (the statistics of
         :meth:`_local_statistics`). One all-reduce per bucket: the riders go in one bucket's, with
         ``context.riders`` (:func:`all_reduce_riding`; the first float32 or float64 bucket when measuring)."""
-        rider, local = riding_bucket(buckets, exact=self._measuring(context)), []
-        spare = (0 if context.riders is None else context.riders.numel()) + (2 if self._measuring(context) else 1)
+        measuring = self._measuring(context)
+        rider, local = riding_bucket(buckets, exact=measuring), []
+        spare = (0 if context.riders is None else context.riders.numel()) + (2 if measuring else 1)
         for i, bucket in enumerate(buckets):
             torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
             local.append(
                 local_correction_sum(bucket, context.dropped, context.learner_weights, spare if i == rider else 0)
             )
-        if self._measuring(context):
-            own = self._local_statistics(buckets, context.dropped)
-        else:
-            own = learners_stepped(buckets, context.dropped)
+        own = (
+            self._local_statistics(buckets, context.dropped)
+            if measuring
+            else learners_stepped(buckets, context.dropped)
+        )
         riders = with_context_riders(context, own)
         sums = all_reduce_riding(local, riders, rider, context.all_reduce_sum)
         return sums, own_riders(context, riders)

@@ -551,7 +551,6 @@ class CrossbowStrategy(DDPStrategy):
             batches = batches[: self._group_cut]
         else:
             self._group, self._group_cut = batches, None
-            self._log_capture.clear()  # (what a step that raised left uncaught)
         if not isinstance(batches, list) or len(batches) != self.stack.num_replicas:
             raise RuntimeError("crossbow expected a group of replicas_per_device batches from its training loader.")
         module = self.lightning_module
