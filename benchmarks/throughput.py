@@ -103,8 +103,8 @@ def kernel_samples_per_second(k: int, batch_size: int, steps: int, warmup: int, 
     """What PyTorch's kernels allow, outside Lightning and crossbow: samples/s of the bare forward, backward and SGD
     step (momentum 0.9) of the MNIST-1D CNN on random data. ``fused=False``: one model on batches of
     ``k * batch_size``; ``fused=True``: ``k`` models stacked and run under ``torch.func.vmap``, each on its own
-    ``batch_size``, as the fused engine runs them on CPU (its parameter swap, and its Conv1d layers fused,
-    :mod:`lightning_crossbow.fused_layers`)."""
+    ``batch_size``, as the fused engine runs them on CPU (its parameter swap, and its Conv1d layers and
+    cross-entropy fused, :mod:`lightning_crossbow.fused_layers`)."""
     torch.manual_seed(0)
     net = conv1d_net(40, 10)
     inputs, targets = torch.randn(k, batch_size, 40), torch.randint(0, 10, (k, batch_size))
@@ -120,7 +120,7 @@ def kernel_samples_per_second(k: int, batch_size: int, steps: int, warmup: int, 
                 return torch.nn.functional.cross_entropy(net(x), y)
 
         def losses() -> torch.Tensor:
-            with fused_layers(layers):
+            with fused_layers(layers, cross_entropy=True):
                 return torch.func.vmap(loss_of)(stacked, inputs, targets).sum()
     else:
         parameters = list(net.parameters())

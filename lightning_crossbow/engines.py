@@ -8,7 +8,8 @@ replica the gradient of its own loss, in the stack's ``.grad``.
 
 - :class:`FusedEngine`: one batched computation over the stack with ``torch.func.vmap``
   (``randomness="different"``: dropout draws differ per replica); on CPU its ``nn.Conv1d`` layers run as one
-  batched matrix product over the replicas (:mod:`~lightning_crossbow.fused_layers`).
+  batched matrix product over the replicas, and ``F.cross_entropy`` as one call over them all
+  (:mod:`~lightning_crossbow.fused_layers`).
 - :class:`SequentialEngine`: a Python loop over the replicas; runs any ``training_step``.
 - :class:`StreamsEngine`: the sequential loop with each replica's work on its own CUDA stream
   (:mod:`~lightning_crossbow.streams`), so that the replicas' kernels can run side by side on the GPU.
@@ -36,7 +37,7 @@ from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
-from lightning_crossbow.fused_layers import fusable_layers, fused_layers
+from lightning_crossbow.fused_layers import fusable_layers, fused_layers, fuses_on
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack
 from lightning_crossbow.stateless import Reparametrizer
@@ -294,7 +295,7 @@ class FusedEngine(Engine):
 
         if self._fused_layers is None:
             self._fused_layers = fusable_layers(self.module, device)
-        with fused_layers(self._fused_layers):
+        with fused_layers(self._fused_layers, cross_entropy=fuses_on(device)):
             losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
                 stack.params, stack.buffers, batch
             )

@@ -1,4 +1,5 @@
-"""The fused Conv1d: the same values as vmap's own rule, taken only where it applies, and restored afterwards."""
+"""The fused Conv1d and cross-entropy: the same values as vmap's own rules, taken only where they apply, and restored
+afterwards."""
 
 from __future__ import annotations
 
@@ -50,6 +51,35 @@ def test_conv1d_over_replicas_is_each_replicas_own_convolution(
     assert out.is_contiguous()
 
 
+@pytest.fixture
+def fused_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The score shapes that reached the fused cross-entropy."""
+    calls: list[tuple[int, ...]] = []
+    original = fl.cross_entropy_over_replicas
+
+    def counted(input: Tensor, *args: Any) -> Tensor:
+        calls.append(tuple(input.shape))
+        return original(input, *args)
+
+    monkeypatch.setattr(fl, "cross_entropy_over_replicas", counted)
+    return calls
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_over_replicas_is_each_replicas_own_loss(reduction: str) -> None:
+    torch.manual_seed(0)
+    k, n, classes = 4, 6, 5
+    scores = torch.randn(k, n, classes)
+    targets = torch.randint(0, classes, (k, n))
+    targets[1, :2] = 7  # some targets ignored...
+    targets[3] = 7  # ...and every one of a replica's ("mean": 0/0, as PyTorch's own)
+    out = fl.cross_entropy_over_replicas(scores, targets, 7, reduction)
+    for j in range(k):
+        expected = nn.functional.cross_entropy(scores[j], targets[j], ignore_index=7, reduction=reduction)
+        torch.testing.assert_close(out[j], expected, equal_nan=True)
+    assert out[3].isnan().all() if reduction == "mean" else True
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -73,7 +103,7 @@ def _losses_and_grads(
 
 @pytest.mark.parametrize("shared_batch", [False, True], ids=["own batches", "one batch for all"])
 def test_under_vmap_the_fused_layers_give_vmaps_values_and_gradients(
-    shared_batch: bool, fused_calls: list[tuple[int, ...]]
+    shared_batch: bool, fused_calls: list[tuple[int, ...]], fused_losses: list[tuple[int, ...]]
 ) -> None:
     net, k = _net(), 4
     params = {name: p.detach().expand(k, *p.shape).clone().requires_grad_() for name, p in net.named_parameters()}
@@ -83,9 +113,10 @@ def test_under_vmap_the_fused_layers_give_vmaps_values_and_gradients(
         x, y = x[0], y[0]
     data_dim = None if shared_batch else 0
     expected = _losses_and_grads(net, params, x, y, data_dim)
-    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+    with fl.fused_layers(fl.fusable_layers(net, CPU), cross_entropy=True):
         actual = _losses_and_grads(net, params, x, y, data_dim)
     assert fused_calls == [(k, 5, 2, 13), (k, 5, 4, 7)]  # both convolutions took the fused form
+    assert fused_losses == [(k, 5, 3)]  # and so did the loss
     torch.testing.assert_close(actual[0], expected[0])
     for a, b in zip(actual[1], expected[1], strict=True):
         torch.testing.assert_close(a, b)
@@ -135,9 +166,12 @@ def test_under_autocast_vmaps_rule_runs_as_without_fusing(fused_calls: list[tupl
     torch.testing.assert_close(actual, expected)
 
 
-def test_a_grad_of_the_users_own_inside_the_step_keeps_vmaps_rule(fused_calls: list[tuple[int, ...]]) -> None:
+def test_a_grad_of_the_users_own_inside_the_step_keeps_vmaps_rule(
+    fused_calls: list[tuple[int, ...]], fused_losses: list[tuple[int, ...]]
+) -> None:
     """A step that differentiates with torch.func.grad (here: one inner step on the head alone, as in meta-learning)
-    runs the convolution under that transform: not the engine's vmap as the innermost one, so no fusing there."""
+    runs the convolution and the loss under that transform: not the engine's vmap as the innermost one, so no fusing
+    there."""
     net = nn.Sequential(nn.Conv1d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(44, 3))
     params = _stacked(net)
     x, y = torch.randn(3, 5, 2, 11), torch.randint(0, 3, (3, 5))
@@ -152,10 +186,90 @@ def test_a_grad_of_the_users_own_inside_the_step_keeps_vmaps_rule(fused_calls: l
         return nn.functional.cross_entropy(functional_call(net, {**p, **adapted}, (xb,)), yb)
 
     expected = vmap(step)(params, x, y)
-    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+    with fl.fused_layers(fl.fusable_layers(net, CPU), cross_entropy=True):
         actual = vmap(step)(params, x, y)
     assert len(fused_calls) == 1  # the outer forward only (the one under grad keeps vmap's rule)
+    assert len(fused_losses) == 1  # idem
     torch.testing.assert_close(actual, expected)
+
+
+def _scores_and_grads(loss: Any, scores: Tensor, targets: Tensor, target_dim: int | None = 0) -> tuple[Tensor, Tensor]:
+    scores = scores.clone().requires_grad_()
+    losses = vmap(loss, in_dims=(0, target_dim))(scores, targets)
+    return losses.detach(), torch.autograd.grad(losses.sum(), scores)[0]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shared_targets", [False, True], ids=["own targets", "one target batch for all"])
+@pytest.mark.parametrize("as_module", [False, True], ids=["F.cross_entropy", "nn.CrossEntropyLoss"])
+def test_under_vmap_the_fused_cross_entropy_gives_vmaps_values_and_gradients(
+    reduction: str, shared_targets: bool, as_module: bool, fused_losses: list[tuple[int, ...]]
+) -> None:
+    torch.manual_seed(0)
+    scores, targets = torch.randn(3, 6, 4), torch.randint(0, 4, (3, 6))
+    targets[0, 1] = -100  # (ignored, by the default ignore_index)
+    if shared_targets:
+        targets = targets[0]
+
+    def loss(s: Tensor, t: Tensor) -> Tensor:
+        if as_module:
+            return nn.CrossEntropyLoss(reduction=reduction)(s, t)
+        return nn.functional.cross_entropy(s, t, reduction=reduction)
+
+    target_dim = None if shared_targets else 0
+    expected = _scores_and_grads(loss, scores, targets, target_dim)
+    with fl.fused_layers([], cross_entropy=True):
+        actual = _scores_and_grads(loss, scores, targets, target_dim)
+    assert fused_losses == [(3, 6, 4)]
+    torch.testing.assert_close(actual[0], expected[0])
+    torch.testing.assert_close(actual[1], expected[1])
+
+
+@pytest.mark.parametrize(
+    ("options", "scores_shape", "targets_of"),
+    [
+        (dict(weight=torch.tensor([1.0, 2.0, 0.5, 1.0])), (6, 4), "indices"),
+        (dict(label_smoothing=0.1), (6, 4), "indices"),
+        (dict(reduce=False), (6, 4), "indices"),
+        ({}, (6, 4), "probabilities"),
+        ({}, (6, 4, 2), "indices"),  # (n, C, d): scores per position
+        ({}, (4,), "indices"),  # one sample
+        ({}, (6, 4), "int32 indices"),
+        ({}, (6, 4, 2), "one index per sample"),  # (PyTorch's error: (n, d) indices expected)
+    ],
+    ids=["class weights", "label smoothing", "legacy reduce", "probabilities", "(n, C, d)", "(C,)", "int32", "bad"],
+)
+def test_other_cross_entropy_calls_keep_vmaps_rule(
+    options: dict[str, Any], scores_shape: tuple[int, ...], targets_of: str, fused_losses: list[tuple[int, ...]]
+) -> None:
+    torch.manual_seed(0)
+    scores = torch.randn(3, *scores_shape)
+    target_shape = (3, *scores_shape[:1], *scores_shape[2:]) if len(scores_shape) > 1 else (3,)
+    targets: Tensor = torch.randint(0, 4, target_shape)
+    if targets_of == "probabilities":
+        targets = torch.softmax(torch.randn(3, *scores_shape), -1)
+    elif targets_of == "int32 indices":
+        targets = targets.int()
+    elif targets_of == "one index per sample":
+        targets = targets[..., 0]
+
+    def loss(s: Tensor, t: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(s, t, **options)
+
+    def run() -> Any:
+        try:
+            return _scores_and_grads(loss, scores, targets)
+        except RuntimeError as error:  # (int32 or misshapen indices: PyTorch's own error, with and without fusing)
+            return str(error)
+
+    expected = run()
+    with fl.fused_layers([], cross_entropy=True):
+        actual = run()
+    assert fused_losses == []
+    if isinstance(expected, str):
+        assert actual == expected
+    else:
+        torch.testing.assert_close(actual, expected)
 
 
 def test_a_layer_changed_after_it_was_found_and_bad_calls_keep_conv1ds_own_behaviour(
@@ -194,6 +308,32 @@ def test_calls_outside_vmap_and_shared_weights_run_conv1ds_own_code(fused_calls:
         torch.testing.assert_close(unbatched_input, net[0](x[0]))
 
 
+def test_cross_entropy_outside_vmap_is_pytorchs_own_and_is_restored_on_exit_and_on_error(
+    monkeypatch: pytest.MonkeyPatch, fused_losses: list[tuple[int, ...]]
+) -> None:
+    original = nn.functional.cross_entropy
+    scores, targets = torch.randn(6, 4), torch.randint(0, 4, (6,))
+    with fl.fused_layers([], cross_entropy=True):
+        assert nn.functional.cross_entropy is not original
+        inside = nn.functional.cross_entropy(scores, targets)
+    assert nn.functional.cross_entropy is original
+    assert fused_losses == []
+    torch.testing.assert_close(inside, original(scores, targets), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="boom"), fl.fused_layers([], cross_entropy=True):
+        raise RuntimeError("boom")
+    assert nn.functional.cross_entropy is original
+    with fl.fused_layers([]):  # (not asked for)
+        assert nn.functional.cross_entropy is original
+
+    def someone_elses(*args: Any, **kwargs: Any) -> Tensor:
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(nn.functional, "cross_entropy", someone_elses)
+    with fl.fused_layers([], cross_entropy=True):  # another replacement is left in place, and in place after
+        assert nn.functional.cross_entropy is someone_elses
+    assert nn.functional.cross_entropy is someone_elses
+
+
 def test_the_layers_are_restored_on_exit_and_on_error_and_left_alone_off_cpu() -> None:
     net = _net()
     convolutions = [m for m in net.modules() if isinstance(m, nn.Conv1d)]
@@ -204,6 +344,7 @@ def test_the_layers_are_restored_on_exit_and_on_error_and_left_alone_off_cpu() -
         raise RuntimeError("boom")
     assert not any("_conv_forward" in vars(m) for m in convolutions)
     assert fl.fusable_layers(net, torch.device("cuda")) == []  # (nothing runs on it: only the device type is read)
+    assert fl.fuses_on(CPU) and not fl.fuses_on(torch.device("cuda"))
 
 
 class ConvClassifier(L.LightningModule):
@@ -220,7 +361,7 @@ class ConvClassifier(L.LightningModule):
 
 
 def test_the_fused_engine_trains_a_conv1d_model_as_the_sequential_engine_does(
-    fused_calls: list[tuple[int, ...]],
+    fused_calls: list[tuple[int, ...]], fused_losses: list[tuple[int, ...]]
 ) -> None:
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(48, 2, 13, generator=generator), torch.randint(0, 3, (48,), generator=generator))
@@ -233,6 +374,8 @@ def test_the_fused_engine_trains_a_conv1d_model_as_the_sequential_engine_does(
         ).fit(model, DataLoader(data, batch_size=4))
         results[engine] = (dict(model.named_parameters()), snapshot.params)
     assert len(fused_calls) == 2 * 2 * 4  # two layers, every step of both epochs
+    assert fused_losses == [(3, 4, 3)] * 2 * 4  # the loss, every step of both epochs
+    assert nn.functional.cross_entropy is fl._cross_entropy  # (PyTorch's own again after the steps)
     for name, value in results["fused"][0].items():
         torch.testing.assert_close(value, results["sequential"][0][name], rtol=1e-5, atol=1e-6)
     for name, value in results["fused"][1].items():
