@@ -225,6 +225,24 @@ def test_under_vmap_the_fused_cross_entropy_gives_vmaps_values_and_gradients(
     torch.testing.assert_close(actual[1], expected[1])
 
 
+def test_under_autocast_the_fused_cross_entropy_is_each_replicas_own_float32_loss(
+    fused_losses: list[tuple[int, ...]],
+) -> None:
+    """Autocast runs cross-entropy in float32, as plain Lightning (and the sequential engine) computes it; so does the
+    fused form. (vmap's own rule returns bfloat16 here: its decomposition runs below autocast's float32 policy.)"""
+    torch.manual_seed(0)
+    scores, targets = torch.randn(3, 6, 4).bfloat16(), torch.randint(0, 4, (3, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        vmaps_rule = vmap(nn.functional.cross_entropy)(scores, targets)
+        expected = torch.stack([nn.functional.cross_entropy(scores[j], targets[j]) for j in range(3)])
+        with fl.fused_layers([], cross_entropy=True):
+            actual = vmap(nn.functional.cross_entropy)(scores, targets)
+    assert fused_losses == [(3, 6, 4)]
+    assert vmaps_rule.dtype == torch.bfloat16
+    assert actual.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(actual, expected)
+
+
 @pytest.mark.parametrize(
     ("options", "scores_shape", "targets_of"),
     [
