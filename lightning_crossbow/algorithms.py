@@ -291,6 +291,10 @@ class ScaledAveraging(Averaging):
     ``eta_t`` also warms up linearly from 1 over the first ``warmup_epochs`` (:func:`warmed_up`; 0: none).
     Costs beyond SMA (``"adaptive"``): one squared norm per learner, and two more numbers in the all-reduce
     of a float32 or float64 bucket's summed steps (an all-reduce of their own only when every bucket is 16-bit).
+
+    One learner in all (``K = 1``) with ``eta = 1`` and ``mu = 0`` (the defaults give ``eta = 1`` at ``K = 1``):
+    ``z_next = w_1``, copied rather than computed as ``z + (w_1 - z)`` (which rounds), and nothing else is
+    computed: the user's optimizer step exactly, as in plain Lightning.
     """
 
     learners_start_at_center = True
@@ -335,6 +339,18 @@ class ScaledAveraging(Averaging):
         self.signal = beta * self.signal + (1 - beta) * signal
         self.steps_measured += 1
 
+    def _one_learner_takes_z(self, context: StepContext) -> bool:
+        """Whether this step is one learner's own (``K = 1``, its step taken, nothing riding along) with
+        ``eta = 1`` and ``mu = 0``: then ``z_next = w_1``."""
+        return (
+            context.num_learners == 1
+            and context.dropped is None
+            and context.riders is None
+            and context.learner_weights is None
+            and self.central_momentum == 0.0
+            and (self.outer_lr in OUTER_LRS or float(self.outer_lr) == 1.0)  # (both give eta = 1 at K = 1)
+        )
+
     def _measuring(self, context: StepContext) -> bool:
         """Whether this step measures the gain (``"adaptive"``; one learner has no spread to measure)."""
         return self.outer_lr == "adaptive" and context.num_learners > 1
@@ -367,6 +383,12 @@ class ScaledAveraging(Averaging):
         buckets: Sequence[FlatBucket],
         context: StepContext,
     ) -> bool:
+        if self._one_learner_takes_z(context):
+            for bucket in buckets:
+                bucket.center_prev.copy_(bucket.center)
+                bucket.center.copy_(bucket.replicas[0])
+            self.last_eta = 1.0
+            return True
         sums, own = self._sum_steps(buckets, context)
         if not anyone_stepped(own[-1], context.dropped):
             return False

@@ -75,6 +75,10 @@ SCALED_CASES = [
     (4, "sgd", "linear", None, 0.5, "fused"),
     (4, "sgd_nesterov_wd", 2.5, None, 0.0, "sequential"),
     (4, "adam", "adaptive", None, 0.0, "fused"),
+    # one learner: z_next = w_1 (copied) where eta = 1 and mu = 0; the rule's arithmetic otherwise
+    (1, "sgd", "adaptive", None, 0.0, "sequential"),
+    (1, "sgd", 2.5, None, 0.0, "sequential"),
+    (1, "sgd", "linear", 0.5, 0.0, "sequential"),
 ]
 
 
