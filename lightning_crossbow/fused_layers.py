@@ -84,7 +84,8 @@ def cross_entropy_over_replicas(input: Tensor, target: Tensor, ignore_index: int
     row ``j`` equal to ``F.cross_entropy(input[j], target[j], ignore_index=ignore_index, reduction=reduction)`` up to
     float rounding (``reduction`` ``"mean"``, ``"sum"`` or ``"none"``)."""
     k, n = target.shape
-    rows = F.cross_entropy(input.reshape(k * n, -1), target.reshape(k * n), ignore_index=ignore_index, reduction="none")
+    scores = input.reshape(k * n, input.shape[-1])  # (the class count given: n may be 0)
+    rows = F.cross_entropy(scores, target.reshape(k * n), ignore_index=ignore_index, reduction="none")
     losses = rows.view(k, n)
     if reduction == "none":
         return losses
@@ -215,7 +216,8 @@ def fusable_layers(module: nn.Module, device: torch.device) -> list[nn.Module]:
 def fused_layers(layers: Sequence[nn.Module], cross_entropy: bool = False) -> Iterator[None]:
     """While active, ``layers`` (from :func:`fusable_layers`) run as :func:`conv1d_over_replicas` when ``vmap``
     batches their weights over the replicas, and as themselves otherwise; with ``cross_entropy``,
-    ``torch.nn.functional.cross_entropy`` is :func:`_fused_cross_entropy`. Restored on exit, however it ends."""
+    ``torch.nn.functional.cross_entropy`` is :func:`_fused_cross_entropy` (unless someone else's function was there).
+    Restored on exit, however it ends (unless someone else replaced it meanwhile: theirs stays)."""
     for layer in layers:
         layer._conv_forward = _fused_conv1d.__get__(layer)  # type: ignore[method-assign]
     replaced = cross_entropy and F.cross_entropy is _cross_entropy  # (not when someone else replaced it meanwhile)
@@ -224,7 +226,7 @@ def fused_layers(layers: Sequence[nn.Module], cross_entropy: bool = False) -> It
     try:
         yield
     finally:
-        if replaced:
+        if replaced and F.cross_entropy is _fused_cross_entropy:  # (a replacement made meanwhile stays)
             F.cross_entropy = _cross_entropy
         for layer in layers:
             del layer._conv_forward

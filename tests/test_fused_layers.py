@@ -66,6 +66,20 @@ def fused_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_an_empty_batch_gives_each_replicas_own_loss(reduction: str, fused_losses: list[tuple[int, ...]]) -> None:
+    scores, targets = torch.randn(3, 0, 4), torch.zeros(3, 0, dtype=torch.long)  # ("mean": nan, "sum": 0)
+
+    def loss(s: Tensor, t: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(s, t, reduction=reduction)
+
+    expected = torch.stack([loss(scores[j], targets[j]) for j in range(3)])
+    with fl.fused_layers([], cross_entropy=True):
+        actual = vmap(loss)(scores, targets)
+    assert fused_losses == [(3, 0, 4)]
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_over_replicas_is_each_replicas_own_loss(reduction: str) -> None:
     torch.manual_seed(0)
     k, n, classes = 4, 6, 5
@@ -327,7 +341,7 @@ def test_calls_outside_vmap_and_shared_weights_run_conv1ds_own_code(fused_calls:
 
 
 def test_cross_entropy_outside_vmap_is_pytorchs_own_and_is_restored_on_exit_and_on_error(
-    monkeypatch: pytest.MonkeyPatch, fused_losses: list[tuple[int, ...]]
+    fused_losses: list[tuple[int, ...]],
 ) -> None:
     original = nn.functional.cross_entropy
     scores, targets = torch.randn(6, 4), torch.randint(0, 4, (6,))
@@ -346,10 +360,15 @@ def test_cross_entropy_outside_vmap_is_pytorchs_own_and_is_restored_on_exit_and_
     def someone_elses(*args: Any, **kwargs: Any) -> Tensor:
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(nn.functional, "cross_entropy", someone_elses)
-    with fl.fused_layers([], cross_entropy=True):  # another replacement is left in place, and in place after
+    try:
+        with fl.fused_layers([], cross_entropy=True):  # a replacement made meanwhile (a profiler's, say) stays
+            nn.functional.cross_entropy = someone_elses
         assert nn.functional.cross_entropy is someone_elses
-    assert nn.functional.cross_entropy is someone_elses
+        with fl.fused_layers([], cross_entropy=True):  # and one found in place is left in place, and after
+            assert nn.functional.cross_entropy is someone_elses
+        assert nn.functional.cross_entropy is someone_elses
+    finally:
+        nn.functional.cross_entropy = original
 
 
 def test_the_layers_are_restored_on_exit_and_on_error_and_left_alone_off_cpu() -> None:
