@@ -37,7 +37,8 @@ same arithmetic on the flattened batch). While the fused engine runs, ``torch.nn
 ``nn.CrossEntropyLoss`` calls too) is this form; it takes the plain case (``(n, C)`` scores batched over the replicas
 by the engine's ``vmap`` as the innermost transform, ``(n,)`` class indices, no class weights, no label smoothing)
 and passes every other call, inside ``vmap`` or not, to PyTorch's own function unchanged. Code that bound the
-function before the step (``from torch.nn.functional import cross_entropy``) keeps ``vmap``'s rule. Under autocast
+function before the step (``from torch.nn.functional import cross_entropy``) keeps ``vmap``'s rule; another
+thread's calls during the step go through the fused form too, with the same values. Under autocast
 the fused form computes in float32, as PyTorch's function does for one replica (``vmap``'s rule returns the
 autocast dtype: its decomposition runs below autocast's float32 policy).
 
