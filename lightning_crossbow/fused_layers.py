@@ -221,7 +221,7 @@ def fused_layers(layers: Sequence[nn.Module], cross_entropy: bool = False) -> It
     Restored on exit, however it ends (unless someone else replaced it meanwhile: theirs stays)."""
     for layer in layers:
         layer._conv_forward = _fused_conv1d.__get__(layer)  # type: ignore[method-assign]
-    replaced = cross_entropy and F.cross_entropy is _cross_entropy  # (not when someone else replaced it meanwhile)
+    replaced = cross_entropy and F.cross_entropy is _cross_entropy  # (never over a replacement of someone else's)
     if replaced:
         F.cross_entropy = _fused_cross_entropy
     try:

@@ -267,7 +267,7 @@ def assert_one_replica_is_plain_lightning(
     callbacks: Callable[[], list] = list,
 ) -> None:
     """Trains ``make_model()`` with plain Lightning and with crossbow at k=1 on ``dataset`` (each with its own
-    ``callbacks()``); the two end with the same parameters."""
+    ``callbacks()``); the two end with bitwise the same parameters."""
     plain, crossbow = make_model(), make_model()
     trainer(max_epochs=epochs, callbacks=callbacks()).fit(plain, loader(dataset))
     trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=epochs, callbacks=callbacks()).fit(
