@@ -19,18 +19,23 @@ from tests.helpers import ReplicaSnapshot, trainer
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The input shapes that reached the fused convolution."""
+def _shapes_reaching(monkeypatch: pytest.MonkeyPatch, function: str) -> list[tuple[int, ...]]:
+    """The shapes of the first argument of every call that reaches ``fl.<function>`` from now on."""
     calls: list[tuple[int, ...]] = []
-    original = fl.conv1d_over_replicas
+    original = getattr(fl, function)
 
     def counted(input: Tensor, *args: Any) -> Tensor:
         calls.append(tuple(input.shape))
         return original(input, *args)
 
-    monkeypatch.setattr(fl, "conv1d_over_replicas", counted)
+    monkeypatch.setattr(fl, function, counted)
     return calls
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The input shapes that reached the fused convolution."""
+    return _shapes_reaching(monkeypatch, "conv1d_over_replicas")
 
 
 @pytest.mark.parametrize(
@@ -54,15 +59,7 @@ def test_conv1d_over_replicas_is_each_replicas_own_convolution(
 @pytest.fixture
 def fused_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The score shapes that reached the fused cross-entropy."""
-    calls: list[tuple[int, ...]] = []
-    original = fl.cross_entropy_over_replicas
-
-    def counted(input: Tensor, *args: Any) -> Tensor:
-        calls.append(tuple(input.shape))
-        return original(input, *args)
-
-    monkeypatch.setattr(fl, "cross_entropy_over_replicas", counted)
-    return calls
+    return _shapes_reaching(monkeypatch, "cross_entropy_over_replicas")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
