@@ -120,7 +120,7 @@ def kernel_samples_per_second(k: int, batch_size: int, steps: int, warmup: int, 
                 return torch.nn.functional.cross_entropy(net(x), y)
 
         def losses() -> torch.Tensor:
-            with fused_layers(layers, cross_entropy=True):
+            with fused_layers(layers, losses=True):
                 return torch.func.vmap(loss_of)(stacked, inputs, targets).sum()
     else:
         parameters = list(net.parameters())

@@ -8,7 +8,7 @@ replica the gradient of its own loss, in the stack's ``.grad``.
 
 - :class:`FusedEngine`: one batched computation over the stack with ``torch.func.vmap``
   (``randomness="different"``: dropout draws differ per replica); on CPU its ``nn.Conv1d`` layers run as one
-  batched matrix product over the replicas, and ``F.cross_entropy`` as one call over them all
+  batched matrix product over the replicas, and ``F.cross_entropy``/``F.nll_loss`` as one call over them all
   (:mod:`~lightning_crossbow.fused_layers`).
 - :class:`SequentialEngine`: a Python loop over the replicas; runs any ``training_step``.
 - :class:`StreamsEngine`: the sequential loop with each replica's work on its own CUDA stream
@@ -295,7 +295,7 @@ class FusedEngine(Engine):
 
         if self._fused_layers is None:
             self._fused_layers = fusable_layers(self.module, device)
-        with fused_layers(self._fused_layers, cross_entropy=fuses_on(device)):
+        with fused_layers(self._fused_layers, losses=fuses_on(device)):
             losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
                 stack.params, stack.buffers, batch
             )

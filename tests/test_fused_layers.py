@@ -1,4 +1,4 @@
-"""The fused Conv1d and cross-entropy: the same values as vmap's own rules, taken only where they apply, and restored
+"""The fused Conv1d and losses: the same values as vmap's own rules, taken only where they apply, and restored
 afterwards."""
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from tests.helpers import ReplicaSnapshot, trainer
 CPU = torch.device("cpu")
 
 
-def _shapes_reaching(monkeypatch: pytest.MonkeyPatch, function: str) -> list[tuple[int, ...]]:
-    """The shapes of the first argument of every call that reaches ``fl.<function>`` from now on."""
+def _shapes_reaching(monkeypatch: pytest.MonkeyPatch, *functions: str) -> list[tuple[int, ...]]:
+    """The shapes of the first argument of every call that reaches one of ``fl.<functions>`` from now on."""
     calls: list[tuple[int, ...]] = []
-    original = getattr(fl, function)
+    for function in functions:
 
-    def counted(input: Tensor, *args: Any) -> Tensor:
-        calls.append(tuple(input.shape))
-        return original(input, *args)
+        def counted(input: Tensor, *args: Any, original: Any = getattr(fl, function)) -> Tensor:
+            calls.append(tuple(input.shape))
+            return original(input, *args)
 
-    monkeypatch.setattr(fl, function, counted)
+        monkeypatch.setattr(fl, function, counted)
     return calls
 
 
@@ -58,35 +58,48 @@ def test_conv1d_over_replicas_is_each_replicas_own_convolution(
 
 @pytest.fixture
 def fused_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The score shapes that reached the fused cross-entropy."""
-    return _shapes_reaching(monkeypatch, "cross_entropy_over_replicas")
+    """The score shapes that reached the fused losses (cross-entropy and negative log-likelihood)."""
+    return _shapes_reaching(monkeypatch, "cross_entropy_over_replicas", "nll_loss_over_replicas")
+
+
+#: The losses fused, as ``torch.nn.functional`` names them, and the module form of each.
+LOSSES = {"cross_entropy": nn.CrossEntropyLoss, "nll_loss": nn.NLLLoss}
+
+
+def _scores_for(loss: str, scores: Tensor) -> Tensor:
+    """Scores as ``loss`` takes them: logits for cross-entropy, log-probabilities for the negative log-likelihood."""
+    return scores if loss == "cross_entropy" else torch.log_softmax(scores, -1)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_an_empty_batch_gives_each_replicas_own_loss(reduction: str, fused_losses: list[tuple[int, ...]]) -> None:
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_an_empty_batch_gives_each_replicas_own_loss(
+    name: str, reduction: str, fused_losses: list[tuple[int, ...]]
+) -> None:
     scores, targets = torch.randn(3, 0, 4), torch.zeros(3, 0, dtype=torch.long)  # ("mean": nan, "sum": 0)
 
     def loss(s: Tensor, t: Tensor) -> Tensor:
-        return nn.functional.cross_entropy(s, t, reduction=reduction)
+        return getattr(nn.functional, name)(s, t, reduction=reduction)
 
     expected = torch.stack([loss(scores[j], targets[j]) for j in range(3)])
-    with fl.fused_layers([], cross_entropy=True):
+    with fl.fused_layers([], losses=True):
         actual = vmap(loss)(scores, targets)
     assert fused_losses == [(3, 0, 4)]
     torch.testing.assert_close(actual, expected, equal_nan=True)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_cross_entropy_over_replicas_is_each_replicas_own_loss(reduction: str) -> None:
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_loss_over_replicas_is_each_replicas_own_loss(name: str, reduction: str) -> None:
     torch.manual_seed(0)
     k, n, classes = 4, 6, 5
-    scores = torch.randn(k, n, classes)
+    scores = _scores_for(name, torch.randn(k, n, classes))
     targets = torch.randint(0, classes, (k, n))
     targets[1, :2] = 7  # some targets ignored...
     targets[3] = 7  # ...and every one of a replica's ("mean": 0/0, as PyTorch's own)
-    out = fl.cross_entropy_over_replicas(scores, targets, 7, reduction)
+    out = getattr(fl, f"{name}_over_replicas")(scores, targets, 7, reduction)
     for j in range(k):
-        expected = nn.functional.cross_entropy(scores[j], targets[j], ignore_index=7, reduction=reduction)
+        expected = getattr(nn.functional, name)(scores[j], targets[j], ignore_index=7, reduction=reduction)
         torch.testing.assert_close(out[j], expected, equal_nan=True)
     if reduction == "mean":
         assert out[3].isnan()
@@ -125,7 +138,7 @@ def test_under_vmap_the_fused_layers_give_vmaps_values_and_gradients(
         x, y = x[0], y[0]
     data_dim = None if shared_batch else 0
     expected = _losses_and_grads(net, params, x, y, data_dim)
-    with fl.fused_layers(fl.fusable_layers(net, CPU), cross_entropy=True):
+    with fl.fused_layers(fl.fusable_layers(net, CPU), losses=True):
         actual = _losses_and_grads(net, params, x, y, data_dim)
     assert fused_calls == [(k, 5, 2, 13), (k, 5, 4, 7)]  # both convolutions took the fused form
     assert fused_losses == [(k, 5, 3)]  # and so did the loss
@@ -198,7 +211,7 @@ def test_a_grad_of_the_users_own_inside_the_step_keeps_vmaps_rule(
         return nn.functional.cross_entropy(functional_call(net, {**p, **adapted}, (xb,)), yb)
 
     expected = vmap(step)(params, x, y)
-    with fl.fused_layers(fl.fusable_layers(net, CPU), cross_entropy=True):
+    with fl.fused_layers(fl.fusable_layers(net, CPU), losses=True):
         actual = vmap(step)(params, x, y)
     assert len(fused_calls) == 1  # the outer forward only (the one under grad keeps vmap's rule)
     assert len(fused_losses) == 1  # idem
@@ -213,24 +226,25 @@ def _scores_and_grads(loss: Any, scores: Tensor, targets: Tensor, target_dim: in
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("shared_targets", [False, True], ids=["own targets", "one target batch for all"])
-@pytest.mark.parametrize("as_module", [False, True], ids=["F.cross_entropy", "nn.CrossEntropyLoss"])
-def test_under_vmap_the_fused_cross_entropy_gives_vmaps_values_and_gradients(
-    reduction: str, shared_targets: bool, as_module: bool, fused_losses: list[tuple[int, ...]]
+@pytest.mark.parametrize("as_module", [False, True], ids=["function", "module"])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_under_vmap_the_fused_losses_give_vmaps_values_and_gradients(
+    name: str, reduction: str, shared_targets: bool, as_module: bool, fused_losses: list[tuple[int, ...]]
 ) -> None:
     torch.manual_seed(0)
-    scores, targets = torch.randn(3, 6, 4), torch.randint(0, 4, (3, 6))
+    scores, targets = _scores_for(name, torch.randn(3, 6, 4)), torch.randint(0, 4, (3, 6))
     targets[0, 1] = -100  # (ignored, by the default ignore_index)
     if shared_targets:
         targets = targets[0]
 
     def loss(s: Tensor, t: Tensor) -> Tensor:
         if as_module:
-            return nn.CrossEntropyLoss(reduction=reduction)(s, t)
-        return nn.functional.cross_entropy(s, t, reduction=reduction)
+            return LOSSES[name](reduction=reduction)(s, t)
+        return getattr(nn.functional, name)(s, t, reduction=reduction)
 
     target_dim = None if shared_targets else 0
     expected = _scores_and_grads(loss, scores, targets, target_dim)
-    with fl.fused_layers([], cross_entropy=True):
+    with fl.fused_layers([], losses=True):
         actual = _scores_and_grads(loss, scores, targets, target_dim)
     assert fused_losses == [(3, 6, 4)]
     torch.testing.assert_close(actual[0], expected[0])
@@ -247,7 +261,7 @@ def test_under_autocast_the_fused_cross_entropy_is_each_replicas_own_float32_los
     with torch.autocast("cpu", dtype=torch.bfloat16):
         vmaps_rule = vmap(nn.functional.cross_entropy)(scores, targets)
         expected = torch.stack([nn.functional.cross_entropy(scores[j], targets[j]) for j in range(3)])
-        with fl.fused_layers([], cross_entropy=True):
+        with fl.fused_layers([], losses=True):
             actual = vmap(nn.functional.cross_entropy)(scores, targets)
     assert fused_losses == [(3, 6, 4)]
     assert vmaps_rule.dtype == torch.bfloat16
@@ -255,22 +269,32 @@ def test_under_autocast_the_fused_cross_entropy_is_each_replicas_own_float32_los
     torch.testing.assert_close(actual, expected)
 
 
+OTHER_CALLS = {  # id: (the losses that take it, options, scores' shape, targets)
+    "class weights": (LOSSES, dict(weight=torch.tensor([1.0, 2.0, 0.5, 1.0])), (6, 4), "indices"),
+    "label smoothing": (["cross_entropy"], dict(label_smoothing=0.1), (6, 4), "indices"),
+    "legacy reduce": (LOSSES, dict(reduce=False), (6, 4), "indices"),
+    "probabilities": (["cross_entropy"], {}, (6, 4), "probabilities"),
+    "(n, C, d)": (LOSSES, {}, (6, 4, 2), "indices"),  # scores per position
+    "(C,)": (LOSSES, {}, (4,), "indices"),  # one sample
+    "int32": (LOSSES, {}, (6, 4), "int32 indices"),
+    "bad": (LOSSES, {}, (6, 4, 2), "one index per sample"),  # (PyTorch's error: (n, d) indices expected)
+}
+
+
 @pytest.mark.parametrize(
-    ("options", "scores_shape", "targets_of"),
+    ("name", "options", "scores_shape", "targets_of"),
     [
-        (dict(weight=torch.tensor([1.0, 2.0, 0.5, 1.0])), (6, 4), "indices"),
-        (dict(label_smoothing=0.1), (6, 4), "indices"),
-        (dict(reduce=False), (6, 4), "indices"),
-        ({}, (6, 4), "probabilities"),
-        ({}, (6, 4, 2), "indices"),  # (n, C, d): scores per position
-        ({}, (4,), "indices"),  # one sample
-        ({}, (6, 4), "int32 indices"),
-        ({}, (6, 4, 2), "one index per sample"),  # (PyTorch's error: (n, d) indices expected)
+        pytest.param(name, options, shape, targets_of, id=f"{name}: {call}")
+        for call, (names, options, shape, targets_of) in OTHER_CALLS.items()
+        for name in names
     ],
-    ids=["class weights", "label smoothing", "legacy reduce", "probabilities", "(n, C, d)", "(C,)", "int32", "bad"],
 )
-def test_other_cross_entropy_calls_keep_vmaps_rule(
-    options: dict[str, Any], scores_shape: tuple[int, ...], targets_of: str, fused_losses: list[tuple[int, ...]]
+def test_other_loss_calls_keep_vmaps_rule(
+    name: str,
+    options: dict[str, Any],
+    scores_shape: tuple[int, ...],
+    targets_of: str,
+    fused_losses: list[tuple[int, ...]],
 ) -> None:
     torch.manual_seed(0)
     scores = torch.randn(3, *scores_shape)
@@ -284,7 +308,7 @@ def test_other_cross_entropy_calls_keep_vmaps_rule(
         targets = targets[..., 0]
 
     def loss(s: Tensor, t: Tensor) -> Tensor:
-        return nn.functional.cross_entropy(s, t, **options)
+        return getattr(nn.functional, name)(s, t, **options)
 
     def run() -> Any:
         try:
@@ -293,7 +317,7 @@ def test_other_cross_entropy_calls_keep_vmaps_rule(
             return str(error)
 
     expected = run()
-    with fl.fused_layers([], cross_entropy=True):
+    with fl.fused_layers([], losses=True):
         actual = run()
     assert fused_losses == []
     if isinstance(expected, str):
@@ -338,35 +362,36 @@ def test_calls_outside_vmap_and_shared_weights_run_conv1ds_own_code(fused_calls:
         torch.testing.assert_close(unbatched_input, net[0](x[0]))
 
 
-def test_cross_entropy_outside_vmap_is_pytorchs_own_and_is_restored_on_exit_and_on_error(
-    fused_losses: list[tuple[int, ...]],
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_loss_outside_vmap_is_pytorchs_own_and_is_restored_on_exit_and_on_error(
+    name: str, fused_losses: list[tuple[int, ...]]
 ) -> None:
-    original = nn.functional.cross_entropy
-    scores, targets = torch.randn(6, 4), torch.randint(0, 4, (6,))
-    with fl.fused_layers([], cross_entropy=True):
-        assert nn.functional.cross_entropy is not original
-        inside = nn.functional.cross_entropy(scores, targets)
-    assert nn.functional.cross_entropy is original
+    original = getattr(nn.functional, name)
+    scores, targets = _scores_for(name, torch.randn(6, 4)), torch.randint(0, 4, (6,))
+    with fl.fused_layers([], losses=True):
+        assert getattr(nn.functional, name) is not original
+        inside = getattr(nn.functional, name)(scores, targets)
+    assert getattr(nn.functional, name) is original
     assert fused_losses == []
     torch.testing.assert_close(inside, original(scores, targets), rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="boom"), fl.fused_layers([], cross_entropy=True):
+    with pytest.raises(RuntimeError, match="boom"), fl.fused_layers([], losses=True):
         raise RuntimeError("boom")
-    assert nn.functional.cross_entropy is original
+    assert getattr(nn.functional, name) is original
     with fl.fused_layers([]):  # (not asked for)
-        assert nn.functional.cross_entropy is original
+        assert getattr(nn.functional, name) is original
 
     def someone_elses(*args: Any, **kwargs: Any) -> Tensor:
         return original(*args, **kwargs)
 
     try:
-        with fl.fused_layers([], cross_entropy=True):  # a replacement made meanwhile (a profiler's, say) stays
-            nn.functional.cross_entropy = someone_elses
-        assert nn.functional.cross_entropy is someone_elses
-        with fl.fused_layers([], cross_entropy=True):  # and one found in place is left in place, and after
-            assert nn.functional.cross_entropy is someone_elses
-        assert nn.functional.cross_entropy is someone_elses
+        with fl.fused_layers([], losses=True):  # a replacement made meanwhile (a profiler's, say) stays
+            setattr(nn.functional, name, someone_elses)
+        assert getattr(nn.functional, name) is someone_elses
+        with fl.fused_layers([], losses=True):  # and one found in place is left in place, and after
+            assert getattr(nn.functional, name) is someone_elses
+        assert getattr(nn.functional, name) is someone_elses
     finally:
-        nn.functional.cross_entropy = original
+        setattr(nn.functional, name, original)
 
 
 def test_the_layers_are_restored_on_exit_and_on_error_and_left_alone_off_cpu() -> None:
@@ -410,7 +435,7 @@ def test_the_fused_engine_trains_a_conv1d_model_as_the_sequential_engine_does(
         results[engine] = (dict(model.named_parameters()), snapshot.params)
     assert len(fused_calls) == 2 * 2 * 4  # two layers, every step of both epochs
     assert fused_losses == [(3, 4, 3)] * 2 * 4  # the loss, every step of both epochs
-    assert nn.functional.cross_entropy is fl._cross_entropy  # (PyTorch's own again after the steps)
+    assert nn.functional.cross_entropy is fl._OWN["cross_entropy"]  # (PyTorch's own again after the steps)
     for name, value in results["fused"][0].items():
         torch.testing.assert_close(value, results["sequential"][0][name], rtol=1e-5, atol=1e-6)
     for name, value in results["fused"][1].items():
