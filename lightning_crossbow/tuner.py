@@ -83,6 +83,11 @@ class Climb:
     again: bool = False
     failed: list[int] = field(default_factory=list)  #: every k judged not to pay off in one window
 
+    def climb_on_from(self, k: int) -> None:
+        """``k`` paid off after all: the climb goes on from it, below the smallest failure further up (if any)."""
+        self.low = k
+        self.high = min((failed for failed in self.failed if failed > k), default=None)
+
 
 class ReplicaAutoTuner(Callback):
     """Tunes ``replicas_per_device`` of a :class:`~lightning_crossbow.CrossbowStrategy` during fit.
@@ -310,8 +315,7 @@ class ReplicaAutoTuner(Callback):
             climb.ahead = False
             if not paid:
                 return self._hold(climb.low, strategy)
-            climb.low = probe  # the pair paid off: the climb goes on from low + 2
-            climb.high = min((failed for failed in climb.failed if failed > probe), default=None)
+            climb.climb_on_from(probe)  # the pair paid off: the climb goes on from low + 2
         elif climb.confirming:
             climb.confirming = False
             if not paid:
@@ -319,8 +323,7 @@ class ReplicaAutoTuner(Callback):
                     climb.ahead, climb.probe = True, climb.low + 2  # judged against the windows at low
                     return climb.probe
                 return self._hold(climb.low, strategy)
-            climb.low = probe  # the second look refuted the failure; a failure further up still stands
-            climb.high = min((failed for failed in climb.failed if failed > probe), default=None)
+            climb.climb_on_from(probe)  # the second look refuted the failure
         elif paid:
             climb.low = probe
         else:
