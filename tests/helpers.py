@@ -265,12 +265,14 @@ def assert_one_replica_is_plain_lightning(
     dataset: TensorDataset,
     epochs: int = 2,
     callbacks: Callable[[], list] = list,
+    **trainer_kwargs: Any,
 ) -> None:
     """Trains ``make_model()`` with plain Lightning and with crossbow at k=1 on ``dataset`` (each with its own
-    ``callbacks()``); the two end with bitwise the same parameters."""
+    ``callbacks()`` and the same ``trainer_kwargs``); the two end with bitwise the same parameters."""
     plain, crossbow = make_model(), make_model()
-    trainer(max_epochs=epochs, callbacks=callbacks()).fit(plain, loader(dataset))
-    trainer(strategy=CrossbowStrategy(replicas_per_device=1), max_epochs=epochs, callbacks=callbacks()).fit(
+    trainer(max_epochs=epochs, callbacks=callbacks(), **trainer_kwargs).fit(plain, loader(dataset))
+    strategy = CrossbowStrategy(replicas_per_device=1)
+    trainer(strategy=strategy, max_epochs=epochs, callbacks=callbacks(), **trainer_kwargs).fit(
         crossbow, loader(dataset)
     )
     for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):

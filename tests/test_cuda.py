@@ -23,7 +23,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_crossbow import CrossbowAccelerator, CrossbowStrategy, ReplicaAutoTuner
 from lightning_crossbow.accelerator import device_memory
 from lightning_crossbow.engines import FastestEngine, StreamsEngine
-from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, trainer
+from tests.helpers import (
+    Classifier,
+    ReplicaSnapshot,
+    assert_one_replica_is_plain_lightning,
+    loader,
+    make_data,
+    trainer,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -92,6 +99,10 @@ def test_bf16_mixed_trains_on_cuda(engine: str) -> None:
         assert value.dtype == torch.float32 and torch.isfinite(value).all()  # the weights stay float32
     float32 = cuda_fit("sequential").params
     assert max(float((spy.params[n] - v).abs().max()) for n, v in float32.items()) < 0.05  # close, not equal
+
+
+def test_one_replica_on_cuda_is_bitwise_plain_lightning() -> None:
+    assert_one_replica_is_plain_lightning(Classifier, make_data(num_samples=48), accelerator="cuda", devices=1)
 
 
 def test_the_memory_guard_reads_the_gpus_free_memory() -> None:
