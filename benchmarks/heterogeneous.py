@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=6, help="k per device (K = 2k learners in all)")
     parser.add_argument("--batch-size", type=int, default=16, help="per-replica batch size")
     parser.add_argument("--throughput-only", action="store_true", help="skip the time-to-accuracy runs")
+    parser.add_argument("--repeats", type=int, help="throughput repetitions (default 3; 1 with --quick)")
     parser.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="default: benchmarks/out/heterogeneous.json (out/quick/ with --quick)")
@@ -177,6 +178,7 @@ def main() -> None:
         return
 
     repeats, seeds = (1, [0]) if args.quick else (3, [0, 1, 2])
+    repeats = args.repeats or repeats
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "result.json"
@@ -230,6 +232,8 @@ def main() -> None:
         command += f" --batch-size {args.batch_size}"
     if args.throughput_only:
         command += " --throughput-only"
+    if args.repeats:
+        command += f" --repeats {args.repeats}"
     save_result(
         args.out or results_dir(args.quick) / "heterogeneous.json",
         command,
