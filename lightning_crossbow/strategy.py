@@ -30,7 +30,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
@@ -330,8 +329,8 @@ class CrossbowStrategy(DDPStrategy):
             atexit.unregister(_destroy_process_group_at_exit)  # once, however many fits this process runs
             atexit.register(_destroy_process_group_at_exit)
             return
-        # One process needs no process group (and no port): collectives are identities.
-        reset_seed()
+        # One process needs no process group (and no port): collectives are identities. Nor does it re-seed, as
+        # DDP does for its processes: plain Lightning on one device does not, so k=1 draws the same random numbers.
         self.set_world_ranks()
 
     @override

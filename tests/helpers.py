@@ -82,8 +82,8 @@ def trainer(**kwargs: Any) -> L.Trainer:
     return L.Trainer(**defaults)
 
 
-def loader(dataset: TensorDataset, batch_size: int = 8, **kwargs: Any) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
+def loader(dataset: TensorDataset, batch_size: int = 8, shuffle: bool = False, **kwargs: Any) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)
 
 
 class ReplicaSnapshot(L.Callback):
@@ -265,15 +265,22 @@ def assert_one_replica_is_plain_lightning(
     dataset: TensorDataset,
     epochs: int = 2,
     callbacks: Callable[[], list] = list,
+    seed: Optional[int] = None,
+    shuffle: bool = False,
     **trainer_kwargs: Any,
 ) -> None:
     """Trains ``make_model()`` with plain Lightning and with crossbow at k=1 on ``dataset`` (each with its own
-    ``callbacks()`` and the same ``trainer_kwargs``); the two end with bitwise the same parameters."""
-    plain, crossbow = make_model(), make_model()
-    trainer(max_epochs=epochs, callbacks=callbacks(), **trainer_kwargs).fit(plain, loader(dataset))
-    strategy = CrossbowStrategy(replicas_per_device=1)
-    trainer(strategy=strategy, max_epochs=epochs, callbacks=callbacks(), **trainer_kwargs).fit(
-        crossbow, loader(dataset)
-    )
+    ``callbacks()`` and the same ``trainer_kwargs``; with ``seed``, ``seed_everything(seed)`` right before the model
+    is made); the two end with bitwise the same parameters."""
+    models = []
+    for strategy in ("auto", CrossbowStrategy(replicas_per_device=1)):
+        if seed is not None:
+            L.seed_everything(seed, verbose=False)
+        model = make_model()
+        trainer(strategy=strategy, max_epochs=epochs, callbacks=callbacks(), **trainer_kwargs).fit(
+            model, loader(dataset, shuffle=shuffle)
+        )
+        models.append(model)
+    plain, crossbow = models
     for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

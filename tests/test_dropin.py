@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_crossbow import CrossbowStrategy
 from tests.helpers import Classifier, assert_one_replica_is_plain_lightning, loader, make_data, make_net, trainer
@@ -57,6 +57,18 @@ class _SkipsSecondStep(Classifier):
 
 def test_a_step_every_replica_skips_is_skipped_as_in_plain_lightning() -> None:
     assert_one_replica_is_plain_lightning(_SkipsSecondStep, make_data(num_samples=48))
+
+
+class _DropoutClassifier(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3))
+
+
+def test_one_replica_draws_the_same_random_numbers_as_plain_lightning() -> None:
+    """seed_everything, then the model, then fit: shuffling and dropout draw as in plain Lightning (which does not
+    re-seed on one device)."""
+    assert_one_replica_is_plain_lightning(_DropoutClassifier, make_data(num_samples=48), seed=7, shuffle=True)
 
 
 class _CenterAt(L.Callback):
