@@ -240,6 +240,9 @@ class CrossbowStrategy(DDPStrategy):
         self._grouped: Optional[ReplicaBatchLoader] = None
         #: Resume with the checkpoint's k instead of re-seeding (set when k is tuned, not fixed).
         self.restore_replicas_per_device = False
+        #: The k of the training loader's first group on a resume whose checkpoint was taken after a change of k
+        #: and before the group that makes it (None: ``replicas_per_device``).
+        self._resumed_group_size: Optional[int] = None
         self._epoch_length_follows_k = False
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
@@ -457,8 +460,9 @@ class CrossbowStrategy(DDPStrategy):
             length: Optional[int] = routed.routed_sampler.batches_per_epoch()  # the common order's, shared out
             most = length // self.world_size  # (per device: K = replicas_per_device x world_size)
         else:
-            grouped = ReplicaBatchLoader(dataloader, self.replicas_per_device)
-            batches_per_step, per_step = self.replicas_per_device, f"replicas_per_device={self.replicas_per_device}"
+            k, self._resumed_group_size = self._resumed_group_size or self.replicas_per_device, None
+            grouped = ReplicaBatchLoader(dataloader, k)
+            batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
         self._grouped = grouped
         if length is not None and length < batches_per_step:
@@ -1160,6 +1164,10 @@ class CrossbowStrategy(DDPStrategy):
             "version": _CHECKPOINT_VERSION,
             "algorithm": self.algorithm,
             "replicas_per_device": self.replicas_per_device,
+            # the k of the next group, when a change of k is under way (the replicas follow at that group)
+            "next_replicas_per_device": (
+                self._grouped.num_replicas if self._grouped is not None and self.routing is None else None
+            ),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
             "world_size": self.world_size,
@@ -1187,6 +1195,8 @@ class CrossbowStrategy(DDPStrategy):
             carry_on = self.restore_replicas_per_device or (ceiling is not None and self.replicas_per_device > ceiling)
             if even and carry_on and state["replicas_per_device"] != self.replicas_per_device:
                 self._resize_replicas(state["replicas_per_device"])  # a tuned, or backed-off, k (per device) carries on
+            if even and carry_on and state.get("next_replicas_per_device") not in (None, state["replicas_per_device"]):
+                self._resumed_group_size = state["next_replicas_per_device"]  # a change of k under way goes on
             same_layout = (
                 even
                 and state["replicas_per_device"] == self.replicas_per_device

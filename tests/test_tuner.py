@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 from unittest import mock
@@ -11,6 +12,7 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner
@@ -341,6 +343,32 @@ def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
     assert not [w for w in caught if "re-seeded" in str(w.message)]  # the replicas were restored, not re-seeded
     assert resumed.strategy.replicas_per_device == tuner.chosen == resumed_tuner.chosen == 4
     assert resumed.global_step == 80
+
+
+def test_a_checkpoint_taken_where_the_tuner_changes_k_resumes_with_the_new_k(tmp_path) -> None:
+    """The tuner's first window ends on the first epoch's last step and moves k from 1 to 2 there; the epoch-end
+    checkpoint resumes with k=2 from the next step on, as the uninterrupted run goes on: bitwise the same run."""
+
+    def run(ckpt_path: Optional[Path] = None) -> tuple[list[int], Classifier]:
+        clock, sizes = FakeClock(), _GroupSizes()
+        tuner = ReplicaAutoTuner(window=9, warmup=1, threshold=0.1, clock=clock, max_replicas=2, plot=False)
+        saves = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+        fit = trainer(
+            strategy=CrossbowStrategy(replicas_per_device=1),
+            callbacks=[clock, tuner, sizes, saves],
+            max_epochs=3,
+            enable_checkpointing=True,
+        )
+        model = Classifier()
+        fit.fit(model, loader(make_data(num_samples=80)), ckpt_path=ckpt_path)  # 10 batches per epoch
+        return sizes.sizes, model
+
+    sizes, straight = run()
+    assert sizes[:10] == [1] * 10 and sizes[10] == 2  # k changed at the first epoch's end
+    resumed_sizes, resumed = run(tmp_path / "epoch=0.ckpt")
+    assert resumed_sizes == sizes[10:]
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_a_tuned_k_per_device_carries_on_under_another_world_size(tmp_path) -> None:
