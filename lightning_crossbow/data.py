@@ -141,6 +141,8 @@ _OWN_ATTRIBUTES = (
     "_fetcher",
     "plan",
     "routed_sampler",
+    "_resume_at",
+    "resumed_mid_pass",
 )
 
 
@@ -152,7 +154,14 @@ class ReplicaBatchLoader:
 
     With ``fetch_groups`` (default) and a loader that :func:`group_fetching_loader` accepts, the batches come from
     that loader instead, a group per iterator step; the groups are the same.
+
+    A wrapped loader that saves its position (``state_dict``/``load_state_dict``, as torchdata's
+    ``StatefulDataLoader``) is saved with the pass's counts of groups and batches: a pass resumed in its middle
+    counts on from them (:attr:`resumed_mid_pass`), so the groups left in it are counted right whatever k was.
     """
+
+    #: Whether a stateful wrapped loader's state is saved with the pass's counts (see the class docstring).
+    counts_in_state = True
 
     def __init__(self, loader: Iterable, num_replicas: int, fetch_groups: bool = True) -> None:
         check_int("num_replicas", num_replicas)
@@ -160,12 +169,16 @@ class ReplicaBatchLoader:
         self.num_replicas = num_replicas
         self.groups_yielded = 0  # in the current pass
         self.batches_taken = 0
+        self._resume_at: Optional[tuple[int, int]] = None  # (groups, batches) of a pass resumed in its middle
+        #: Whether the current pass was resumed in its middle (from a checkpoint's loader state).
+        self.resumed_mid_pass = False
         self._returned: list[Any] = []
         self._fetcher = group_fetching_loader(loader) if fetch_groups else None
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
         """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass."""
-        self.groups_yielded = self.batches_taken = 0
+        self.groups_yielded, self.batches_taken = self._resume_at or (0, 0)
+        self.resumed_mid_pass, self._resume_at = self._resume_at is not None, None
         self._returned = []
         batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(self._fetcher)
         while True:
@@ -213,9 +226,23 @@ class ReplicaBatchLoader:
             raise TypeError("The wrapped loader has no length.")
         return length
 
+    def _state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's state, and the counts of the pass so far."""
+        position = self.loader.state_dict()  # type: ignore[attr-defined]
+        return {"loader": position, "groups": self.groups_yielded, "batches": self.batches_taken}
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the wrapped loader's position; the next pass counts on from the saved counts."""
+        self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+        if state["batches"]:
+            self._resume_at = (state["groups"], state["batches"])
+
     def __getattr__(self, name: str) -> Any:
         if name in _OWN_ATTRIBUTES:  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
+        if name in ("state_dict", "load_state_dict") and self.counts_in_state:
+            getattr(self.loader, name)  # (a loader that does not save its position: AttributeError, as it would give)
+            return getattr(self, f"_{name}")
         return getattr(self.loader, name)
 
 
@@ -225,6 +252,8 @@ class RoutedBatchLoader(ReplicaBatchLoader):
 
     Lengths count groups of the whole order (every rank has the same), not of this rank's batches.
     """
+
+    counts_in_state = False  # (the routing plan keeps the order's place)
 
     def __init__(self, loader: Iterable, routed_sampler: RoutedSampler) -> None:
         self.plan: RoutingPlan = routed_sampler.plan

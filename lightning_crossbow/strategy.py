@@ -514,8 +514,9 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
-        if batch_idx == 0 and self._epoch_length_follows_k:  # Lightning counted this epoch's steps at the old k
-            self._fit_epoch_length(self.lightning_module.trainer)
+        trainer = self.lightning_module.trainer
+        if (batch_idx == 0 and self._counts_epoch_length(trainer)) or self._resumed_mid_pass():
+            self._fit_epoch_length(trainer)
         assert self.stack is not None
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
             split = self.routing.split_at(self._grouped.current_group)
@@ -668,6 +669,21 @@ class CrossbowStrategy(DDPStrategy):
         while k < min(length, _MOST_REPLICAS_CHECKED) and not skips_over_a_tenth(length, k + 1):
             k += 1
         return k
+
+    def _counts_epoch_length(self, trainer: "pl.Trainer") -> bool:
+        """Whether this epoch's length is crossbow's to count, not Lightning's: after a change of k (Lightning
+        counted the groups at the old k), or under a fractional ``limit_train_batches`` (a fraction of the loader's
+        batches, where Lightning would take it of the groups)."""
+        limit = trainer.limit_train_batches
+        return self._epoch_length_follows_k or (isinstance(limit, float) and limit != 1.0)
+
+    def _resumed_mid_pass(self) -> bool:
+        """Once per resume in the middle of a pass (a loader that saves its position): the steps trained before it
+        may have been at another k than the steps left, so the epoch's length is counted again."""
+        if self._grouped is None or not self._grouped.resumed_mid_pass:
+            return False
+        self._grouped.resumed_mid_pass = False
+        return True
 
     def _fit_epoch_length(self, trainer: "pl.Trainer") -> None:
         """Sets Lightning's counts of this epoch to the groups at k now: its steps (``limit_train_batches`` as

@@ -86,6 +86,31 @@ def loader(dataset: TensorDataset, batch_size: int = 8, shuffle: bool = False, *
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader that saves its place in the pass (``state_dict``), as torchdata's ``StatefulDataLoader`` does:
+    Lightning saves it in a mid-epoch checkpoint and a resumed fit goes on from the next batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_yielded = 0
+        self._skip = 0
+
+    def __iter__(self) -> Any:
+        batches = super().__iter__()
+        for _ in range(self._skip):
+            next(batches)
+        self.batches_yielded, self._skip = self._skip, 0
+        for batch in batches:
+            self.batches_yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_yielded": self.batches_yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["batches_yielded"]
+
+
 class ReplicaSnapshot(L.Callback):
     """Keeps a copy of the strategy's replica state at the end of training (teardown frees it)."""
 

@@ -5,16 +5,27 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
-from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, make_net, reference_sma_step, trainer
+from tests.helpers import (
+    Classifier,
+    ReplicaSnapshot,
+    ResumableLoader,
+    loader,
+    make_data,
+    make_net,
+    reference_sma_step,
+    trainer,
+)
 
 
 class ChangeReplicas(L.Callback):
@@ -357,3 +368,76 @@ def test_a_fraction_of_the_epoch_and_of_its_validation_interval_follow_a_change_
     assert change.group_sizes == [1] + [4] * 7 + [4] * 8 * 2
     assert fit.global_step == 8 + 8 + 8
     assert validations.at == [(0, 4), (0, 8), (1, 12), (1, 16), (2, 20), (2, 24)]
+
+
+@pytest.mark.parametrize(("limit", "overfit"), [(0.8, False), (0.99, False), (0.3, True)])
+def test_a_fraction_of_the_epoch_is_a_fraction_of_the_loaders_batches_at_a_fixed_k(limit: float, overfit: bool) -> None:
+    """20 batches at k=3: ``limit_train_batches`` (or ``overfit_batches``) f takes int(20 f) batches, the groups
+    they fill (Lightning alone would take f of the 6 groups)."""
+    change = ChangeReplicas(at_step=-1, new_k=3)  # (never changes k: records the group sizes)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=3),
+        callbacks=[change],
+        max_epochs=2,
+        **({"overfit_batches": limit} if overfit else {"limit_train_batches": limit}),
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=160)))
+    assert change.group_sizes == [3] * (int(20 * limit) // 3) * 2
+
+
+class _SamplesPerEpoch(L.Callback):
+    def __init__(self) -> None:
+        self.rows: dict[int, list[Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.rows.setdefault(trainer.current_epoch, []).extend(x for x, _ in batch)
+
+
+def _fit_from_a_resumable_loader(
+    tmp_path: Path, k: int, callbacks: list, ckpt_path: Any = None
+) -> tuple[L.Trainer, Classifier, dict[int, Tensor]]:
+    """Two epochs over 20 batches of a loader that saves its place; a checkpoint every 3 steps."""
+    samples = _SamplesPerEpoch()
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=k),
+        callbacks=[samples, saves, *callbacks],
+        max_epochs=2,
+        enable_checkpointing=True,
+    )
+    model = Classifier()
+    fit.fit(model, ResumableLoader(make_data(num_samples=160), batch_size=8), ckpt_path=ckpt_path)
+    return fit, model, {epoch: torch.cat(rows) for epoch, rows in samples.rows.items()}
+
+
+class _TunedChange(ChangeReplicas):
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        trainer.strategy.restore_replicas_per_device = True  # (as the tuner sets it: a resume keeps the tuned k)
+
+
+def test_a_change_of_k_after_a_mid_epoch_resume_trains_the_rest_of_the_epoch(tmp_path) -> None:
+    """Resumed at step 3 of 20 batches at k=1, k changes to 4 after step 8: the epoch goes on to its end (16 steps in
+    all, as without the resume) and the run is the uninterrupted one, bitwise."""
+    straight, straight_model, straight_samples = _fit_from_a_resumable_loader(tmp_path, 1, [_TunedChange(8, 4)])
+    resumed, resumed_model, resumed_samples = _fit_from_a_resumable_loader(
+        tmp_path / "resumed", 1, [_TunedChange(8, 4)], ckpt_path=tmp_path / "step=3.ckpt"
+    )
+    assert straight.global_step == resumed.global_step == 8 + 3 + 5  # epoch 0: 8 at k=1, 3 at k=4; epoch 1: 5
+    torch.testing.assert_close(resumed_samples[0], straight_samples[0][3 * 8 :], rtol=0, atol=0)
+    torch.testing.assert_close(resumed_samples[1], straight_samples[1], rtol=0, atol=0)
+    for a, b in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_mid_epoch_resume_with_another_k_trains_the_rest_of_the_epoch_at_that_k(tmp_path) -> None:
+    """Saved at step 3 of 20 batches at k=2 (6 batches trained), resumed at k=4: the 14 batches left make 3 steps
+    (the 2 that do not fill a fourth are skipped, as in any epoch), then the next epoch starts."""
+    _fit_from_a_resumable_loader(tmp_path, 2, [])
+    with pytest.warns(UserWarning, match="re-seeded"):
+        resumed, _, samples = _fit_from_a_resumable_loader(
+            tmp_path / "resumed", 4, [], ckpt_path=tmp_path / "step=3.ckpt"
+        )
+    data = make_data(num_samples=160).tensors[0]
+    torch.testing.assert_close(samples[0], data[6 * 8 : 18 * 8], rtol=0, atol=0)
+    torch.testing.assert_close(samples[1], data[: 20 * 8], rtol=0, atol=0)
+    assert resumed.global_step == 3 + 3 + 5
