@@ -6,7 +6,9 @@ see :mod:`lightning_crossbow.routing`.)
 Replica ``j`` of a step takes the ``j``-th batch of the group, so the DataLoader's batch size is the
 per-replica batch size and the user's sampler decides the order, exactly as in plain Lightning.
 An epoch is one pass over the loader in ``len(loader) // k`` steps: a trailing group with fewer than
-``k`` batches is dropped (a warning at set-up names how many batches that is).
+``k`` batches is dropped (a warning at set-up names how many batches that is). Those batches are still drawn
+(before the next pass starts), as plain Lightning draws them, so a sampler's random draws (a shuffle with the
+loader's own ``generator``) go on as in plain Lightning.
 
 A plain ``DataLoader`` that loads in the training process (``num_workers=0``) pays its iterator's
 per-batch work inside the training step, k times per step. For such a loader a step's batches come from
@@ -160,8 +162,10 @@ class ReplicaBatchLoader:
     counts on from them (:attr:`resumed_mid_pass`), so the groups left in it are counted right whatever k was.
     """
 
-    #: Whether a stateful wrapped loader's state is saved with the pass's counts (see the class docstring).
-    counts_in_state = True
+    #: Whether a pass is one pass of the wrapped loader (not a routed share of a common order): a stateful wrapped
+    #: loader's state is saved with the pass's counts, and the batches that do not fill the pass's last group are
+    #: drawn before the next pass (see the module docstring).
+    own_passes = True
 
     def __init__(self, loader: Iterable, num_replicas: int, fetch_groups: bool = True) -> None:
         check_int("num_replicas", num_replicas)
@@ -174,24 +178,50 @@ class ReplicaBatchLoader:
         self.resumed_mid_pass = False
         self._returned: list[Any] = []
         self._fetcher = group_fetching_loader(loader) if fetch_groups else None
+        self._drawn = 0  # batches drawn from the wrapped loader in the current pass
+        #: The pass's iterator and the batches left in it that fill no group: drawn when the next pass starts.
+        self._tail: Optional[tuple[Iterator[Any], int]] = None
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
         """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass."""
+        self._draw_tail()
         self.groups_yielded, self.batches_taken = self._resume_at or (0, 0)
         self.resumed_mid_pass, self._resume_at = self._resume_at is not None, None
-        self._returned = []
+        self._returned, self._drawn = [], self.batches_taken
         batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(self._fetcher)
         while True:
+            self._tail = None
             size = self._group_size()
             group, self._returned = self._returned[:size], self._returned[size:]
-            if self._fetcher is not None and len(group) < size:  # the batches still missing, in one iterator step
-                self._fetcher.batch_sampler.group_size = size - len(group)
-            group += list(islice(batches, size - len(group)))
+            group += self._draw(batches, size - len(group))
             self.batches_taken += len(group)
             if len(group) < size:
                 return
             self.groups_yielded += 1
+            left = self._left_in_pass()
+            if left is not None and 0 < left and len(self._returned) + left < self._group_size():
+                self._tail = (batches, left)  # unless another group is asked for, they fill none
             yield ReplicaGroup(group)
+
+    def _draw(self, batches: Iterator[Any], count: int) -> list[Any]:
+        """The next ``count`` batches of the pass (fewer at its end)."""
+        if self._fetcher is not None:  # the batches still missing, in one iterator step
+            self._fetcher.batch_sampler.group_size = count
+        drawn = list(islice(batches, count))
+        self._drawn += len(drawn)
+        return drawn
+
+    def _left_in_pass(self) -> Optional[int]:
+        """Batches of the wrapped loader's pass not yet drawn (None without a length, or for a routed share)."""
+        length = loader_length(self.loader) if self.own_passes else None
+        return None if length is None else length - self._drawn
+
+    def _draw_tail(self) -> None:
+        """Draws the last pass's batches that filled no group, as plain Lightning draws every batch of a pass."""
+        if self._tail is not None:
+            batches, left = self._tail
+            self._tail = None
+            self._draw(batches, left)
 
     def _group_size(self) -> int:
         """Batches in the next group."""
@@ -240,7 +270,7 @@ class ReplicaBatchLoader:
     def __getattr__(self, name: str) -> Any:
         if name in _OWN_ATTRIBUTES:  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
-        if name in ("state_dict", "load_state_dict") and self.counts_in_state:
+        if name in ("state_dict", "load_state_dict") and self.own_passes:
             getattr(self.loader, name)  # (a loader that does not save its position: AttributeError, as it would give)
             return getattr(self, f"_{name}")
         return getattr(self.loader, name)
@@ -253,7 +283,7 @@ class RoutedBatchLoader(ReplicaBatchLoader):
     Lengths count groups of the whole order (every rank has the same), not of this rank's batches.
     """
 
-    counts_in_state = False  # (the routing plan keeps the order's place)
+    own_passes = False  # (the routing plan keeps the order's place)
 
     def __init__(self, loader: Iterable, routed_sampler: RoutedSampler) -> None:
         self.plan: RoutingPlan = routed_sampler.plan

@@ -71,6 +71,32 @@ def test_one_replica_draws_the_same_random_numbers_as_plain_lightning() -> None:
     assert_one_replica_is_plain_lightning(_DropoutClassifier, make_data(num_samples=48), seed=7, shuffle=True)
 
 
+class _BatchesSeen(L.Callback):
+    def __init__(self) -> None:
+        self.epochs: dict[int, list[Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        group = batch if isinstance(trainer.strategy, CrossbowStrategy) else [batch]
+        self.epochs.setdefault(trainer.current_epoch, []).extend(x for x, _ in group)
+
+
+@pytest.mark.parametrize("samples", [80, 82, 88], ids=["none skipped", "short batch skipped", "full batch skipped"])
+def test_a_shuffle_from_the_loaders_own_generator_goes_on_as_in_plain_lightning(samples: int) -> None:
+    """Every epoch trains the batches plain Lightning draws, in its order, up to the last one that fills a group
+    (k=2): the batches skipped are drawn all the same, so the next epoch's shuffle is plain Lightning's."""
+    seen = {}
+    for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=2))):
+        seen[name] = _BatchesSeen()
+        data = loader(make_data(num_samples=samples), shuffle=True, generator=torch.Generator().manual_seed(3))
+        trainer(strategy=strategy, max_epochs=3, callbacks=[seen[name]]).fit(Classifier(), data)
+    batches = -(-samples // 8)
+    for epoch in range(3):
+        plain, crossbow = seen["plain"].epochs[epoch], seen["crossbow"].epochs[epoch]
+        assert len(plain) == batches and len(crossbow) == batches // 2 * 2
+        for a, b in zip(crossbow, plain):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 class _CenterAt(L.Callback):
     def __init__(self) -> None:
         self.before: dict[int, list[Tensor]] = {}
