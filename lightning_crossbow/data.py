@@ -223,6 +223,10 @@ class ReplicaBatchLoader:
             self._tail = None
             self._draw(batches, left)
 
+    def forget_tail(self) -> None:
+        """Lets the last pass's iterator go without drawing the rest (when training ends: its worker processes end)."""
+        self._tail = None
+
     def _group_size(self) -> int:
         """Batches in the next group."""
         return self.num_replicas

@@ -1290,6 +1290,9 @@ class CrossbowStrategy(DDPStrategy):
         self._step_losses = self._step_skipped = None
         self._gradients_pending = False  # (a fit may stop between two accumulated batches)
         self._group = self._group_cut = None  # (a fit may stop by an error in a step)
+        self._resumed_group_size = None  # (a fit may stop before its loader was made)
+        if self._grouped is not None:
+            self._grouped.forget_tail()
         self._log_capture.clear()
         self._buffers_before_step.clear()
         for patched in ("clip_grad_by_norm", "_after_closure"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import csv
+import gc
+import multiprocessing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,15 @@ def test_a_shuffle_from_the_loaders_own_generator_goes_on_as_in_plain_lightning(
         assert len(plain) == batches and len(crossbow) == batches // 2 * 2
         for a, b in zip(crossbow, plain):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_no_loader_worker_outlives_fit_when_the_last_group_leaves_batches_out() -> None:
+    """5 batches at k=2: the fifth fills no group. The pass's iterator (and so its worker process) is let go when fit
+    ends, not kept for a next pass that never comes."""
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2)
+    fit.fit(Classifier(), loader(make_data(num_samples=40), num_workers=1))
+    gc.collect()
+    assert multiprocessing.active_children() == []
 
 
 class _CenterAt(L.Callback):
