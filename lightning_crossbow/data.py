@@ -7,7 +7,7 @@ Replica ``j`` of a step takes the ``j``-th batch of the group, so the DataLoader
 per-replica batch size and the user's sampler decides the order, exactly as in plain Lightning.
 An epoch is one pass over the loader in ``len(loader) // k`` steps: a trailing group with fewer than
 ``k`` batches is dropped (a warning at set-up names how many batches that is). Those batches are still drawn
-(before the next pass starts), as plain Lightning draws them, so a sampler's random draws (a shuffle with the
+(before the next pass starts, or when training ends), as plain Lightning draws them, so a sampler's random draws (a shuffle with the
 loader's own ``generator``) go on as in plain Lightning.
 
 A plain ``DataLoader`` that loads in the training process (``num_workers=0``) pays its iterator's
@@ -183,12 +183,19 @@ class ReplicaBatchLoader:
         self._tail: Optional[tuple[Iterator[Any], int]] = None
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
-        """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass."""
-        self._draw_tail()
+        """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass.
+
+        The wrapped loader's iterator is made here, not at the first group, as ``iter(loader)`` makes it: a
+        ``DataLoader`` draws its iterator's base seed then, also for an iterator that Lightning makes and drops."""
+        self.draw_tail()
         self.groups_yielded, self.batches_taken = self._resume_at or (0, 0)
         self.resumed_mid_pass, self._resume_at = self._resume_at is not None, None
         self._returned, self._drawn = [], self.batches_taken
-        batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(self._fetcher)
+        batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(iter(self._fetcher))
+        return self._groups(batches)
+
+    def _groups(self, batches: Iterator[Any]) -> Iterator[ReplicaGroup]:
+        """The pass's groups, drawn from ``batches`` (see :meth:`__iter__`)."""
         while True:
             self._tail = None
             size = self._group_size()
@@ -216,8 +223,9 @@ class ReplicaBatchLoader:
         length = loader_length(self.loader) if self.own_passes else None
         return None if length is None else length - self._drawn
 
-    def _draw_tail(self) -> None:
-        """Draws the last pass's batches that filled no group, as plain Lightning draws every batch of a pass."""
+    def draw_tail(self) -> None:
+        """Draws the last pass's batches that filled no group, as plain Lightning draws every batch of a pass (also
+        called when training ends, so that a later fit's draws go on from there)."""
         if self._tail is not None:
             batches, left = self._tail
             self._tail = None

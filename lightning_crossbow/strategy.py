@@ -1130,6 +1130,9 @@ class CrossbowStrategy(DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
+        trainer = self.lightning_module.trainer
+        if self._grouped is not None and not 0 <= trainer.max_steps <= trainer.global_step:
+            self._grouped.draw_tail()  # the last epoch ran to its end: plain Lightning drew every batch of it
         self.sync_center()
         # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.
         self._final_state = self._strategy_state() if self.stack is not None else None

@@ -61,18 +61,6 @@ def test_a_step_every_replica_skips_is_skipped_as_in_plain_lightning() -> None:
     assert_one_replica_is_plain_lightning(_SkipsSecondStep, make_data(num_samples=48))
 
 
-class _DropoutClassifier(Classifier):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3))
-
-
-def test_one_replica_draws_the_same_random_numbers_as_plain_lightning() -> None:
-    """seed_everything, then the model, then fit: shuffling and dropout draw as in plain Lightning (which does not
-    re-seed on one device)."""
-    assert_one_replica_is_plain_lightning(_DropoutClassifier, make_data(num_samples=48), seed=7, shuffle=True)
-
-
 class _BatchesSeen(L.Callback):
     def __init__(self) -> None:
         self.epochs: dict[int, list[Tensor]] = {}
@@ -80,6 +68,59 @@ class _BatchesSeen(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         group = batch if isinstance(trainer.strategy, CrossbowStrategy) else [batch]
         self.epochs.setdefault(trainer.current_epoch, []).extend(x for x, _ in group)
+
+
+class _DropoutClassifier(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("reload", [0, 1], ids=["one loader", "loaders reloaded every epoch"])
+def test_one_replica_draws_the_same_random_numbers_as_plain_lightning(reload: int) -> None:
+    """seed_everything, then the model, then fit: shuffling and dropout draw as in plain Lightning (which does not
+    re-seed on one device, and draws a base seed for every loader iterator it makes)."""
+    assert_one_replica_is_plain_lightning(
+        _DropoutClassifier,
+        make_data(num_samples=48),
+        seed=7,
+        shuffle=True,
+        reload_dataloaders_every_n_epochs=reload,
+    )
+
+
+@pytest.mark.parametrize(
+    ("k", "samples", "model_class", "own_generator"),
+    [(1, 48, _DropoutClassifier, False), (2, 82, Classifier, False), (2, 82, Classifier, True)],
+    ids=["k=1, dropout", "k=2", "k=2, the loader's own generator"],
+)
+def test_a_second_fit_of_the_same_trainer_goes_on_as_in_plain_lightning(
+    k: int, samples: int, model_class: type[Classifier], own_generator: bool
+) -> None:
+    """Two fits of one trainer (max_epochs raised in between), a shuffle: the second fit trains plain Lightning's
+    batches (k=2: those that fill a group; 82 samples leave a short batch out, drawn all the same when the first
+    fit ends), and at k=1, with dropout, ends with plain Lightning's parameters. (At k=2 dropout draws a mask per
+    replica, so the global RNG and the later shuffles part from plain Lightning's; hence no dropout there.)"""
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=k))):
+        L.seed_everything(7, verbose=False)
+        model, seen = model_class(), _BatchesSeen()
+        fit = trainer(strategy=strategy, max_epochs=2, callbacks=[seen])
+        generator = torch.Generator().manual_seed(3) if own_generator else None
+        data = loader(make_data(num_samples=samples), shuffle=True, generator=generator)
+        fit.fit(model, data)
+        fit.fit_loop.max_epochs = 4
+        fit.fit(model, data)
+        runs[name] = (model, seen)
+    batches = -(-samples // 8)
+    for epoch in range(4):
+        plain, crossbow = runs["plain"][1].epochs[epoch], runs["crossbow"][1].epochs[epoch]
+        assert len(plain) == batches and len(crossbow) == batches // k * k
+        for a, b in zip(crossbow, plain):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if k == 1:
+        for a, b in zip(runs["plain"][0].parameters(), runs["crossbow"][0].parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("samples", [80, 82, 88], ids=["none skipped", "short batch skipped", "full batch skipped"])
