@@ -7,8 +7,8 @@ Replica ``j`` of a step takes the ``j``-th batch of the group, so the DataLoader
 per-replica batch size and the user's sampler decides the order, exactly as in plain Lightning.
 An epoch is one pass over the loader in ``len(loader) // k`` steps: a trailing group with fewer than
 ``k`` batches is dropped (a warning at set-up names how many batches that is). Those batches are still drawn
-(before the next pass starts, or when training ends), as plain Lightning draws them, so a sampler's random draws (a shuffle with the
-loader's own ``generator``) go on as in plain Lightning.
+(before the next pass starts, or when training ends), as plain Lightning draws them, so a sampler's random
+draws (a shuffle with the loader's own ``generator``) go on as in plain Lightning.
 
 A plain ``DataLoader`` that loads in the training process (``num_workers=0``) pays its iterator's
 per-batch work inside the training step, k times per step. For such a loader a step's batches come from
@@ -145,6 +145,7 @@ _OWN_ATTRIBUTES = (
     "routed_sampler",
     "_resume_at",
     "resumed_mid_pass",
+    "counts_on_resume",
 )
 
 
@@ -158,12 +159,14 @@ class ReplicaBatchLoader:
     that loader instead, a group per iterator step; the groups are the same.
 
     A wrapped loader that saves its position (``state_dict``/``load_state_dict``, as torchdata's
-    ``StatefulDataLoader``) is saved with the pass's counts of groups and batches: a pass resumed in its middle
-    counts on from them (:attr:`resumed_mid_pass`), so the groups left in it are counted right whatever k was.
+    ``StatefulDataLoader``) saves and loads its own state, as in plain Lightning. When Lightning loads it in the
+    middle of a pass, the pass counts on from :attr:`counts_on_resume` (the groups and batches trained in it before
+    the checkpoint, which the strategy keeps in its own part of the checkpoint), so the groups left in it are
+    counted right whatever k was (:attr:`resumed_mid_pass`).
     """
 
-    #: Whether a pass is one pass of the wrapped loader (not a routed share of a common order): a stateful wrapped
-    #: loader's state is saved with the pass's counts, and the batches that do not fill the pass's last group are
+    #: Whether a pass is one pass of the wrapped loader (not a routed share of a common order): a pass resumed in its
+    #: middle counts on from :attr:`counts_on_resume`, and the batches that do not fill the pass's last group are
     #: drawn before the next pass (see the module docstring).
     own_passes = True
 
@@ -176,6 +179,8 @@ class ReplicaBatchLoader:
         self._resume_at: Optional[tuple[int, int]] = None  # (groups, batches) of a pass resumed in its middle
         #: Whether the current pass was resumed in its middle (from a checkpoint's loader state).
         self.resumed_mid_pass = False
+        #: (groups, batches) of the pass trained before a checkpoint this fit resumes from, if any.
+        self.counts_on_resume: Optional[tuple[int, int]] = None
         self._returned: list[Any] = []
         self._fetcher = group_fetching_loader(loader) if fetch_groups else None
         self._drawn = 0  # batches drawn from the wrapped loader in the current pass
@@ -268,23 +273,20 @@ class ReplicaBatchLoader:
             raise TypeError("The wrapped loader has no length.")
         return length
 
-    def _state_dict(self) -> dict[str, Any]:
-        """The wrapped loader's state, and the counts of the pass so far."""
-        position = self.loader.state_dict()  # type: ignore[attr-defined]
-        return {"loader": position, "groups": self.groups_yielded, "batches": self.batches_taken}
-
-    def _load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the wrapped loader's position; the next pass counts on from the saved counts."""
-        self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
-        if state["batches"]:
-            self._resume_at = (state["groups"], state["batches"])
+    def _load_state_dict(self, state: Any) -> None:
+        """The wrapped loader's ``load_state_dict``; in the middle of a pass (a group left to make after
+        :attr:`counts_on_resume`), the next pass counts on from those counts."""
+        self.loader.load_state_dict(state)  # type: ignore[attr-defined]
+        length, counts = loader_length(self.loader), self.counts_on_resume
+        if counts is not None and 0 < counts[1] and (length is None or counts[1] + self.num_replicas <= length):
+            self._resume_at = counts
 
     def __getattr__(self, name: str) -> Any:
         if name in _OWN_ATTRIBUTES:  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
-        if name in ("state_dict", "load_state_dict") and self.own_passes:
+        if name == "load_state_dict" and self.own_passes:
             getattr(self.loader, name)  # (a loader that does not save its position: AttributeError, as it would give)
-            return getattr(self, f"_{name}")
+            return self._load_state_dict
         return getattr(self.loader, name)
 
 

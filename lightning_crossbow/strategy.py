@@ -243,6 +243,12 @@ class CrossbowStrategy(DDPStrategy):
         #: The k of the training loader's first group on a resume whose checkpoint was taken after a change of k
         #: and before the group that makes it (None: ``replicas_per_device``).
         self._resumed_group_size: Optional[int] = None
+        #: (groups, batches) of the epoch trained before the checkpoint this fit resumes from (see
+        #: :attr:`ReplicaBatchLoader.counts_on_resume`), or None.
+        self._resumed_pass_counts: Optional[tuple[int, int]] = None
+        #: The user's fractional ``limit_train_batches`` while Lightning holds it as a number of steps (see
+        #: :meth:`_fraction_as_steps`), else None.
+        self._train_fraction: Optional[float] = None
         self._epoch_length_follows_k = False
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
@@ -462,6 +468,10 @@ class CrossbowStrategy(DDPStrategy):
         else:
             k, self._resumed_group_size = self._resumed_group_size or self.replicas_per_device, None
             grouped = ReplicaBatchLoader(dataloader, k)
+            # A checkpoint of plain Lightning (or of k=1) trained one batch per step.
+            steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            grouped.counts_on_resume, self._resumed_pass_counts = self._resumed_pass_counts or (steps_done,) * 2, None
+            self._fraction_as_steps(trainer, grouped)
             batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
         self._grouped = grouped
@@ -479,6 +489,27 @@ class CrossbowStrategy(DDPStrategy):
                 " skipped."
             )
         return grouped
+
+    def _fraction_as_steps(self, trainer: "pl.Trainer", grouped: ReplicaBatchLoader) -> None:
+        """A fractional ``limit_train_batches`` (or ``overfit_batches``) ``f`` takes ``f`` of the loader's ``B``
+        batches: ``int(B f) // k`` steps, where Lightning would take ``f`` of the ``B // k`` groups. Lightning is
+        given that number of steps as its limit for this fit (the user's fraction is back at teardown), so that
+        every count it makes from it is crossbow's from the start: the epoch's steps, ``val_check_interval``, the
+        progress bar, ``estimated_stepping_batches``. After a change of k, :meth:`_fit_epoch_length` counts from
+        the fraction."""
+        fraction = self._train_fraction if self._train_fraction is not None else trainer.limit_train_batches
+        length = loader_length(grouped.loader)
+        if not isinstance(fraction, float) or not 0.0 < fraction < 1.0 or length is None:
+            return
+        steps = grouped.groups_in(int(length * fraction))
+        if steps == 0:
+            raise ValueError(
+                f"crossbow: limit_train_batches={fraction} of the training DataLoader's {length} batches is"
+                f" {int(length * fraction)} batches, fewer than the {grouped.num_replicas} that one step takes"
+                f" (replicas_per_device={grouped.num_replicas}): not one step could be made. Use"
+                f" limit_train_batches >= {grouped.num_replicas / length:.3g}, or fewer replicas."
+            )
+        self._train_fraction, trainer.limit_train_batches = fraction, steps
 
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
@@ -515,8 +546,8 @@ class CrossbowStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
         trainer = self.lightning_module.trainer
-        if (batch_idx == 0 and self._counts_epoch_length(trainer)) or self._resumed_mid_pass():
-            self._fit_epoch_length(trainer)
+        if (batch_idx == 0 and self._epoch_length_follows_k) or self._resumed_mid_pass():
+            self._fit_epoch_length(trainer)  # Lightning counted the epoch's steps at another k
         assert self.stack is not None
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
             split = self.routing.split_at(self._grouped.current_group)
@@ -662,7 +693,7 @@ class CrossbowStrategy(DDPStrategy):
         length = loader_length(self._grouped.loader)
         if length is None:
             return None
-        limit = self.lightning_module.trainer.limit_train_batches
+        limit = self._train_limit(self.lightning_module.trainer)
         if isinstance(limit, float):  # (an integer limit counts steps: its epochs never skip batches)
             length = max(1, int(length * limit))
         k = 1
@@ -670,12 +701,9 @@ class CrossbowStrategy(DDPStrategy):
             k += 1
         return k
 
-    def _counts_epoch_length(self, trainer: "pl.Trainer") -> bool:
-        """Whether this epoch's length is crossbow's to count, not Lightning's: after a change of k (Lightning
-        counted the groups at the old k), or under a fractional ``limit_train_batches`` (a fraction of the loader's
-        batches, where Lightning would take it of the groups)."""
-        limit = trainer.limit_train_batches
-        return self._epoch_length_follows_k or (isinstance(limit, float) and limit != 1.0)
+    def _train_limit(self, trainer: "pl.Trainer") -> Union[int, float]:
+        """The user's ``limit_train_batches`` (a fraction even while Lightning holds it as steps)."""
+        return self._train_fraction if self._train_fraction is not None else trainer.limit_train_batches
 
     def _resumed_mid_pass(self) -> bool:
         """Once per resume in the middle of a pass (a loader that saves its position): the steps trained before it
@@ -692,7 +720,7 @@ class CrossbowStrategy(DDPStrategy):
         fit_loop = trainer.fit_loop
         if self._grouped is None or not math.isfinite(fit_loop.max_batches):
             return
-        limit = trainer.limit_train_batches
+        limit = self._train_limit(trainer)
         if isinstance(limit, int):
             epoch_length = min(limit, self._grouped.groups_in_pass())
         elif limit == 1.0:
@@ -1187,6 +1215,12 @@ class CrossbowStrategy(DDPStrategy):
             "next_replicas_per_device": (
                 self._grouped.num_replicas if self._grouped is not None and self.routing is None else None
             ),
+            # the epoch's groups and batches so far, for a loader that resumes mid-epoch (ReplicaBatchLoader)
+            "pass_counts": (
+                [self._grouped.groups_yielded, self._grouped.batches_taken]
+                if self._grouped is not None and self.routing is None
+                else None
+            ),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
             "world_size": self.world_size,
@@ -1203,6 +1237,8 @@ class CrossbowStrategy(DDPStrategy):
         state = checkpoint.get(_CHECKPOINT_KEY)
         optimizer = self.optimizers[0]
         saved_optimizer = checkpoint["optimizer_states"][0]
+        counts = state.get("pass_counts") if state is not None else None
+        self._resumed_pass_counts = (counts[0], counts[1]) if counts else None
         if self.routing is not None:
             same_layout = self._restore_split(state)
         else:
@@ -1293,7 +1329,10 @@ class CrossbowStrategy(DDPStrategy):
         self._step_losses = self._step_skipped = None
         self._gradients_pending = False  # (a fit may stop between two accumulated batches)
         self._group = self._group_cut = None  # (a fit may stop by an error in a step)
-        self._resumed_group_size = None  # (a fit may stop before its loader was made)
+        self._resumed_group_size = self._resumed_pass_counts = None  # (a fit may stop before its loader was made)
+        if self._train_fraction is not None and self._lightning_module is not None:
+            self._lightning_module.trainer.limit_train_batches = self._train_fraction  # the user's fraction again
+        self._train_fraction = None
         if self._grouped is not None:
             self._grouped.forget_tail()
         self._log_capture.clear()

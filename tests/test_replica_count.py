@@ -385,22 +385,68 @@ def test_a_fraction_of_the_epoch_is_a_fraction_of_the_loaders_batches_at_a_fixed
     assert change.group_sizes == [3] * (int(20 * limit) // 3) * 2
 
 
+class _OneCycle(Classifier):
+    """Sizes OneCycleLR by ``trainer.estimated_stepping_batches``, as users do: one step more than that raises."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class _EpochStart(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.steps.append(trainer.num_training_batches)
+
+
+def test_lightning_counts_a_fraction_of_the_loaders_batches_from_the_start() -> None:
+    """20 batches at k=3 with limit_train_batches=0.99: 19 batches, 6 steps per epoch. Lightning's own counts say so
+    before the first step (estimated_stepping_batches, which sizes OneCycleLR; num_training_batches at the epoch's
+    start; an integer val_check_interval of 6 steps), and the user's fraction is back after fit."""
+    epoch_start, validations = _EpochStart(), _Validations()
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=3),
+        callbacks=[epoch_start, validations],
+        max_epochs=2,
+        limit_train_batches=0.99,
+        val_check_interval=6,
+    )
+    fit.fit(_OneCycle(), loader(make_data(num_samples=160)), loader(make_data(num_samples=16)))
+    assert fit.global_step == 12
+    assert epoch_start.steps == [6, 6]
+    assert validations.at == [(0, 6), (1, 12)]
+    assert fit.limit_train_batches == 0.99
+
+
+def test_a_fraction_of_the_batches_too_small_for_one_step_is_refused() -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=8), limit_train_batches=0.3)
+    message = r"limit_train_batches=0.3 of the training DataLoader's 20 batches is 6 batches, fewer than the 8"
+    with pytest.raises(ValueError, match=message):
+        fit.fit(Classifier(), loader(make_data(num_samples=160)))
+
+
 class _SamplesPerEpoch(L.Callback):
     def __init__(self) -> None:
         self.rows: dict[int, list[Tensor]] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.rows.setdefault(trainer.current_epoch, []).extend(x for x, _ in batch)
+        group = batch if isinstance(trainer.strategy, CrossbowStrategy) else [batch]
+        self.rows.setdefault(trainer.current_epoch, []).extend(x for x, _ in group)
 
 
 def _fit_from_a_resumable_loader(
-    tmp_path: Path, k: int, callbacks: list, ckpt_path: Any = None
+    tmp_path: Path, k: int | None, callbacks: list, ckpt_path: Any = None
 ) -> tuple[L.Trainer, Classifier, dict[int, Tensor]]:
-    """Two epochs over 20 batches of a loader that saves its place; a checkpoint every 3 steps."""
+    """Two epochs over 20 batches of a loader that saves its place (crossbow at k, or plain Lightning at None); a
+    checkpoint every 3 steps."""
     samples = _SamplesPerEpoch()
     saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)
     fit = trainer(
-        strategy=CrossbowStrategy(replicas_per_device=k),
+        strategy="auto" if k is None else CrossbowStrategy(replicas_per_device=k),
         callbacks=[samples, saves, *callbacks],
         max_epochs=2,
         enable_checkpointing=True,
@@ -441,3 +487,23 @@ def test_a_mid_epoch_resume_with_another_k_trains_the_rest_of_the_epoch_at_that_
     torch.testing.assert_close(samples[0], data[6 * 8 : 18 * 8], rtol=0, atol=0)
     torch.testing.assert_close(samples[1], data[: 20 * 8], rtol=0, atol=0)
     assert resumed.global_step == 3 + 3 + 5
+
+
+@pytest.mark.parametrize(("saved_by", "resumed_by"), [(None, 2), (2, None)], ids=["plain to k=2", "k=2 to plain"])
+def test_a_mid_epoch_checkpoint_crosses_between_crossbow_and_plain_lightning(
+    tmp_path, saved_by: int | None, resumed_by: int | None
+) -> None:
+    """The loader's own state is in the checkpoint as plain Lightning saves it: a plain mid-epoch checkpoint resumes
+    in crossbow (the 17 batches left make 8 steps at k=2) and a crossbow one in plain Lightning (14 batches left)."""
+    _fit_from_a_resumable_loader(tmp_path, saved_by, [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (crossbow re-seeds its replicas from a plain checkpoint, and says so)
+        resumed, _, samples = _fit_from_a_resumable_loader(
+            tmp_path / "resumed", resumed_by, [], ckpt_path=tmp_path / "step=3.ckpt"
+        )
+    data = make_data(num_samples=160).tensors[0]
+    done = 3 * (saved_by or 1)  # batches trained before the checkpoint
+    left = 20 - done if resumed_by is None else (20 - done) // resumed_by * resumed_by
+    torch.testing.assert_close(samples[0], data[done * 8 : (done + left) * 8], rtol=0, atol=0)
+    torch.testing.assert_close(samples[1], data[: 20 // (resumed_by or 1) * (resumed_by or 1) * 8], rtol=0, atol=0)
+    assert resumed.global_step == 3 + left // (resumed_by or 1) + 20 // (resumed_by or 1)
