@@ -111,6 +111,17 @@ class ResumableLoader(DataLoader):
         self._skip = state["batches_yielded"]
 
 
+class BatchesSeen(L.Callback):
+    """The inputs of every batch trained, per epoch, in order (a crossbow step's group batch by batch)."""
+
+    def __init__(self) -> None:
+        self.epochs: dict[int, list[Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        group = batch if isinstance(trainer.strategy, CrossbowStrategy) else [batch]
+        self.epochs.setdefault(trainer.current_epoch, []).extend(x for x, _ in group)
+
+
 class ReplicaSnapshot(L.Callback):
     """Keeps a copy of the strategy's replica state at the end of training (teardown frees it)."""
 

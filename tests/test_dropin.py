@@ -20,7 +20,15 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 
 from lightning_crossbow import CrossbowStrategy
-from tests.helpers import Classifier, assert_one_replica_is_plain_lightning, loader, make_data, make_net, trainer
+from tests.helpers import (
+    BatchesSeen,
+    Classifier,
+    assert_one_replica_is_plain_lightning,
+    loader,
+    make_data,
+    make_net,
+    trainer,
+)
 
 
 # ------------------------------------------------------------------ what hooks and callbacks see
@@ -61,15 +69,6 @@ def test_a_step_every_replica_skips_is_skipped_as_in_plain_lightning() -> None:
     assert_one_replica_is_plain_lightning(_SkipsSecondStep, make_data(num_samples=48))
 
 
-class _BatchesSeen(L.Callback):
-    def __init__(self) -> None:
-        self.epochs: dict[int, list[Tensor]] = {}
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        group = batch if isinstance(trainer.strategy, CrossbowStrategy) else [batch]
-        self.epochs.setdefault(trainer.current_epoch, []).extend(x for x, _ in group)
-
-
 class _DropoutClassifier(Classifier):
     def __init__(self) -> None:
         super().__init__()
@@ -104,7 +103,7 @@ def test_a_second_fit_of_the_same_trainer_goes_on_as_in_plain_lightning(
     runs = {}
     for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=k))):
         L.seed_everything(7, verbose=False)
-        model, seen = model_class(), _BatchesSeen()
+        model, seen = model_class(), BatchesSeen()
         fit = trainer(strategy=strategy, max_epochs=2, callbacks=[seen])
         generator = torch.Generator().manual_seed(3) if own_generator else None
         data = loader(make_data(num_samples=samples), shuffle=True, generator=generator)
@@ -129,7 +128,7 @@ def test_a_shuffle_from_the_loaders_own_generator_goes_on_as_in_plain_lightning(
     (k=2): the batches skipped are drawn all the same, so the next epoch's shuffle is plain Lightning's."""
     seen = {}
     for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=2))):
-        seen[name] = _BatchesSeen()
+        seen[name] = BatchesSeen()
         data = loader(make_data(num_samples=samples), shuffle=True, generator=torch.Generator().manual_seed(3))
         trainer(strategy=strategy, max_epochs=3, callbacks=[seen[name]]).fit(Classifier(), data)
     batches = -(-samples // 8)

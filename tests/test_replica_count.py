@@ -17,6 +17,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
 from tests.helpers import (
+    BatchesSeen,
     Classifier,
     ReplicaSnapshot,
     ResumableLoader,
@@ -429,21 +430,12 @@ def test_a_fraction_of_the_batches_too_small_for_one_step_is_refused() -> None:
         fit.fit(Classifier(), loader(make_data(num_samples=160)))
 
 
-class _SamplesPerEpoch(L.Callback):
-    def __init__(self) -> None:
-        self.rows: dict[int, list[Tensor]] = {}
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        group = batch if isinstance(trainer.strategy, CrossbowStrategy) else [batch]
-        self.rows.setdefault(trainer.current_epoch, []).extend(x for x, _ in group)
-
-
 def _fit_from_a_resumable_loader(
     tmp_path: Path, k: int | None, callbacks: list, ckpt_path: Any = None
 ) -> tuple[L.Trainer, Classifier, dict[int, Tensor]]:
     """Two epochs over 20 batches of a loader that saves its place (crossbow at k, or plain Lightning at None); a
     checkpoint every 3 steps."""
-    samples = _SamplesPerEpoch()
+    samples = BatchesSeen()
     saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)
     fit = trainer(
         strategy="auto" if k is None else CrossbowStrategy(replicas_per_device=k),
@@ -453,7 +445,7 @@ def _fit_from_a_resumable_loader(
     )
     model = Classifier()
     fit.fit(model, ResumableLoader(make_data(num_samples=160), batch_size=8), ckpt_path=ckpt_path)
-    return fit, model, {epoch: torch.cat(rows) for epoch, rows in samples.rows.items()}
+    return fit, model, {epoch: torch.cat(rows) for epoch, rows in samples.epochs.items()}
 
 
 class _TunedChange(ChangeReplicas):
