@@ -146,6 +146,8 @@ _OWN_ATTRIBUTES = (
     "_resume_at",
     "resumed_mid_pass",
     "counts_on_resume",
+    "_drawn",
+    "_tail",
 )
 
 
@@ -167,7 +169,7 @@ class ReplicaBatchLoader:
 
     #: Whether a pass is one pass of the wrapped loader (not a routed share of a common order): a pass resumed in its
     #: middle counts on from :attr:`counts_on_resume`, and the batches that do not fill the pass's last group are
-    #: drawn before the next pass (see the module docstring).
+    #: still drawn (see the module docstring).
     own_passes = True
 
     def __init__(self, loader: Iterable, num_replicas: int, fetch_groups: bool = True) -> None:
@@ -184,7 +186,8 @@ class ReplicaBatchLoader:
         self._returned: list[Any] = []
         self._fetcher = group_fetching_loader(loader) if fetch_groups else None
         self._drawn = 0  # batches drawn from the wrapped loader in the current pass
-        #: The pass's iterator and the batches left in it that fill no group: drawn when the next pass starts.
+        #: The pass's iterator and the batches left in it that fill no group: drawn when the next pass starts (or
+        #: when training ends).
         self._tail: Optional[tuple[Iterator[Any], int]] = None
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
