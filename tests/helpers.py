@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -296,6 +298,21 @@ class ReferenceGossip:
         return mean, z
 
 
+@contextmanager
+def seed_environment_kept() -> Iterator[None]:
+    """``seed_everything`` inside the block sets ``PL_GLOBAL_SEED`` (and ``PL_SEED_WORKERS``) in ``os.environ``, where
+    later tests' processes would read it (Lightning's DistributedSampler seeds from it): they are as before after."""
+    saved = {name: os.environ.get(name) for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def assert_one_replica_is_plain_lightning(
     make_model: Callable[[], L.LightningModule],
     dataset: TensorDataset,
@@ -309,14 +326,15 @@ def assert_one_replica_is_plain_lightning(
     ``callbacks()`` and the same ``trainer_kwargs``; with ``seed``, ``seed_everything(seed)`` right before the model
     is made); the two end with bitwise the same parameters."""
     models = []
-    for strategy in ("auto", CrossbowStrategy(replicas_per_device=1)):
-        if seed is not None:
-            L.seed_everything(seed, verbose=False)
-        model = make_model()
-        trainer(strategy=strategy, max_epochs=epochs, callbacks=callbacks(), **trainer_kwargs).fit(
-            model, loader(dataset, shuffle=shuffle)
-        )
-        models.append(model)
+    with seed_environment_kept():
+        for strategy in ("auto", CrossbowStrategy(replicas_per_device=1)):
+            if seed is not None:
+                L.seed_everything(seed, verbose=False)
+            model = make_model()
+            trainer(strategy=strategy, max_epochs=epochs, callbacks=callbacks(), **trainer_kwargs).fit(
+                model, loader(dataset, shuffle=shuffle)
+            )
+            models.append(model)
     plain, crossbow = models
     for a, b in zip(plain.parameters(), crossbow.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

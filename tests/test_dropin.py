@@ -27,6 +27,7 @@ from tests.helpers import (
     loader,
     make_data,
     make_net,
+    seed_environment_kept,
     trainer,
 )
 
@@ -101,16 +102,17 @@ def test_a_second_fit_of_the_same_trainer_goes_on_as_in_plain_lightning(
     fit ends), and at k=1, with dropout, ends with plain Lightning's parameters. (At k=2 dropout draws a mask per
     replica, so the global RNG and the later shuffles part from plain Lightning's; hence no dropout there.)"""
     runs = {}
-    for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=k))):
-        L.seed_everything(7, verbose=False)
-        model, seen = model_class(), BatchesSeen()
-        fit = trainer(strategy=strategy, max_epochs=2, callbacks=[seen])
-        generator = torch.Generator().manual_seed(3) if own_generator else None
-        data = loader(make_data(num_samples=samples), shuffle=True, generator=generator)
-        fit.fit(model, data)
-        fit.fit_loop.max_epochs = 4
-        fit.fit(model, data)
-        runs[name] = (model, seen)
+    with seed_environment_kept():
+        for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=k))):
+            L.seed_everything(7, verbose=False)
+            model, seen = model_class(), BatchesSeen()
+            fit = trainer(strategy=strategy, max_epochs=2, callbacks=[seen])
+            generator = torch.Generator().manual_seed(3) if own_generator else None
+            data = loader(make_data(num_samples=samples), shuffle=True, generator=generator)
+            fit.fit(model, data)
+            fit.fit_loop.max_epochs = 4
+            fit.fit(model, data)
+            runs[name] = (model, seen)
     batches = -(-samples // 8)
     for epoch in range(4):
         plain, crossbow = runs["plain"][1].epochs[epoch], runs["crossbow"][1].epochs[epoch]
