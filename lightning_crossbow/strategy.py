@@ -243,6 +243,8 @@ class CrossbowStrategy(DDPStrategy):
         #: The k of the training loader's first group on a resume whose checkpoint was taken after a change of k
         #: and before the group that makes it (None: ``replicas_per_device``).
         self._resumed_group_size: Optional[int] = None
+        #: The k that :meth:`set_replicas_per_device` asked for, until the group that makes it arrives, else None.
+        self._k_next_group: Optional[int] = None
         #: (groups, batches) of the epoch trained before the checkpoint this fit resumes from (see
         #: :attr:`ReplicaBatchLoader.counts_on_resume`), or None.
         self._resumed_pass_counts: Optional[tuple[int, int]] = None
@@ -466,7 +468,10 @@ class CrossbowStrategy(DDPStrategy):
             length: Optional[int] = routed.routed_sampler.batches_per_epoch()  # the common order's, shared out
             most = length // self.world_size  # (per device: K = replicas_per_device x world_size)
         else:
-            k, self._resumed_group_size = self._resumed_group_size or self.replicas_per_device, None
+            # k of the loader's first group: a resume's, or a change of k under way (a loader reloaded between
+            # epochs, after a change made at the last step), else the replicas'
+            k = self._resumed_group_size or self._k_next_group or self.replicas_per_device
+            self._resumed_group_size = None
             grouped = ReplicaBatchLoader(dataloader, k)
             # A checkpoint of plain Lightning (or of k=1) trained one batch per step.
             steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
@@ -669,7 +674,7 @@ class CrossbowStrategy(DDPStrategy):
             self.routing.schedule(split, first_free_group)
             self.balancer.history.append((self.lightning_module.trainer.global_step, split))
         else:
-            self._grouped.num_replicas = replicas_per_device
+            self._grouped.num_replicas = self._k_next_group = replicas_per_device
             self._warn_of_skipped_batches()
         self._epoch_length_follows_k = True
         self._fit_epoch_length(trainer)
@@ -711,6 +716,7 @@ class CrossbowStrategy(DDPStrategy):
         if self._grouped is None or not self._grouped.resumed_mid_pass:
             return False
         self._grouped.resumed_mid_pass = False
+        self._epoch_length_follows_k = True  # (Lightning would keep this epoch's count for the next ones)
         return True
 
     def _fit_epoch_length(self, trainer: "pl.Trainer") -> None:
@@ -802,7 +808,7 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(self.engine, FastestEngine) and self.engine.chosen is not None:
             self._fastest_engine[self.replicas_per_device] = self.engine.chosen
         self.engine = self._make_engine(replicas_per_device, fused_failed=self.engine.fused_failed)
-        self.replicas_per_device = replicas_per_device
+        self.replicas_per_device, self._k_next_group = replicas_per_device, None
         if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
             rank_zero_info(f"crossbow: replicas_per_device is now {replicas_per_device} (K = {self.num_learners}).")
 
@@ -1157,6 +1163,17 @@ class CrossbowStrategy(DDPStrategy):
         self.sync_center()
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        loaders = self.lightning_module.trainer.train_dataloader
+        if not isinstance(loaders, ReplicaBatchLoader):
+            raise ValueError(
+                "crossbow trains on one training DataLoader, whose consecutive batches it groups k at a time; got"
+                f" {type(loaders).__name__} of several loaders. Combine them into one DataLoader (for example over a"
+                " ConcatDataset), or train with another strategy."
+            )
+
+    @override
     def on_train_end(self) -> None:
         trainer = self.lightning_module.trainer
         if self._grouped is not None and not 0 <= trainer.max_steps <= trainer.global_step:
@@ -1335,6 +1352,8 @@ class CrossbowStrategy(DDPStrategy):
         self._train_fraction = None
         if self._grouped is not None:
             self._grouped.forget_tail()
+        if self._k_next_group is not None:  # a change of k under way when fit ended: the next fit's k
+            self.replicas_per_device, self._k_next_group = self._k_next_group, None
         self._log_capture.clear()
         self._buffers_before_step.clear()
         for patched in ("clip_grad_by_norm", "_after_closure"):

@@ -247,3 +247,10 @@ def test_no_optimizer_is_refused_before_training() -> None:
         trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1).fit(
             NoOptimizer(), loader(make_data(num_samples=32))
         )
+
+
+def test_several_training_loaders_are_refused_before_the_first_step() -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1))
+    loaders = {"a": loader(make_data(num_samples=32)), "b": loader(make_data(num_samples=32))}
+    with pytest.raises(ValueError, match="crossbow trains on one training DataLoader.*got dict of several loaders"):
+        fit.fit(Classifier(), loaders)

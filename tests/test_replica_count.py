@@ -431,10 +431,10 @@ def test_a_fraction_of_the_batches_too_small_for_one_step_is_refused() -> None:
 
 
 def _fit_from_a_resumable_loader(
-    tmp_path: Path, k: int | None, callbacks: list, ckpt_path: Any = None
+    tmp_path: Path, k: int | None, callbacks: list, ckpt_path: Any = None, batches: int = 20
 ) -> tuple[L.Trainer, Classifier, dict[int, Tensor]]:
-    """Two epochs over 20 batches of a loader that saves its place (crossbow at k, or plain Lightning at None); a
-    checkpoint every 3 steps."""
+    """Two epochs over ``batches`` batches of a loader that saves its place (crossbow at k, or plain Lightning at
+    None); a checkpoint every 3 steps."""
     samples = BatchesSeen()
     saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)
     fit = trainer(
@@ -444,7 +444,7 @@ def _fit_from_a_resumable_loader(
         enable_checkpointing=True,
     )
     model = Classifier()
-    fit.fit(model, ResumableLoader(make_data(num_samples=160), batch_size=8), ckpt_path=ckpt_path)
+    fit.fit(model, ResumableLoader(make_data(num_samples=8 * batches), batch_size=8), ckpt_path=ckpt_path)
     return fit, model, {epoch: torch.cat(rows) for epoch, rows in samples.epochs.items()}
 
 
@@ -499,3 +499,30 @@ def test_a_mid_epoch_checkpoint_crosses_between_crossbow_and_plain_lightning(
     torch.testing.assert_close(samples[0], data[done * 8 : (done + left) * 8], rtol=0, atol=0)
     torch.testing.assert_close(samples[1], data[: 20 // (resumed_by or 1) * (resumed_by or 1) * 8], rtol=0, atol=0)
     assert resumed.global_step == 3 + left // (resumed_by or 1) + 20 // (resumed_by or 1)
+
+
+def test_the_epochs_after_a_mid_epoch_resume_with_another_k_are_whole(tmp_path) -> None:
+    """Saved at step 3 of 24 batches at k=3 (9 batches trained), resumed at k=2: 7 more steps end that epoch, and the
+    next epoch has all of its 12 steps (Lightning would keep the resumed epoch's count of 10)."""
+    _fit_from_a_resumable_loader(tmp_path, 3, [], batches=24)
+    with pytest.warns(UserWarning, match="re-seeded"):
+        resumed, _, samples = _fit_from_a_resumable_loader(
+            tmp_path / "resumed", 2, [], ckpt_path=tmp_path / "step=3.ckpt", batches=24
+        )
+    assert [len(samples[epoch]) for epoch in (0, 1)] == [14 * 8, 24 * 8]
+    assert resumed.global_step == 3 + 7 + 12
+
+
+def test_a_change_of_k_at_an_epochs_last_step_holds_when_the_loader_is_reloaded() -> None:
+    """k changes from 2 to 3 after the last step of the first epoch (24 batches), and Lightning makes the training
+    loader again for every epoch: the later epochs are at k=3, as without the reload."""
+    change = ChangeReplicas(at_step=12, new_k=3)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2),
+        callbacks=[change],
+        max_epochs=3,
+        reload_dataloaders_every_n_epochs=1,
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=192)))
+    assert change.group_sizes == [2] * 12 + [3] * 8 * 2
+    assert fit.strategy.replicas_per_device == 3
