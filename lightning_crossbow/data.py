@@ -147,6 +147,7 @@ _OWN_ATTRIBUTES = (
     "resumed_mid_pass",
     "counts_on_resume",
     "_drawn",
+    "_pass_length",
     "_tail",
 )
 
@@ -186,6 +187,7 @@ class ReplicaBatchLoader:
         self._returned: list[Any] = []
         self._fetcher = group_fetching_loader(loader) if fetch_groups else None
         self._drawn = 0  # batches drawn from the wrapped loader in the current pass
+        self._pass_length: Optional[int] = None  # its batches (None without a length, or for a routed share)
         #: The pass's iterator and the batches left in it that fill no group: drawn when the next pass starts (or
         #: when training ends).
         self._tail: Optional[tuple[Iterator[Any], int]] = None
@@ -199,6 +201,7 @@ class ReplicaBatchLoader:
         self.groups_yielded, self.batches_taken = self._resume_at or (0, 0)
         self.resumed_mid_pass, self._resume_at = self._resume_at is not None, None
         self._returned, self._drawn = [], self.batches_taken
+        self._pass_length = loader_length(self.loader) if self.own_passes else None  # (once a pass, not a step)
         batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(iter(self._fetcher))
         return self._groups(batches)
 
@@ -228,8 +231,7 @@ class ReplicaBatchLoader:
 
     def _left_in_pass(self) -> Optional[int]:
         """Batches of the wrapped loader's pass not yet drawn (None without a length, or for a routed share)."""
-        length = loader_length(self.loader) if self.own_passes else None
-        return None if length is None else length - self._drawn
+        return None if self._pass_length is None else self._pass_length - self._drawn
 
     def draw_tail(self) -> None:
         """Draws the last pass's batches that filled no group, as plain Lightning draws every batch of a pass (also
