@@ -562,6 +562,12 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
             # The first group made after set_replicas_per_device: resize before the step's corrections.
             self._resize_replicas(len(batch))
+        if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
+            self._reset_if_lr_dropped()
+
+    def _reset_if_lr_dropped(self) -> None:
+        """With ``reset_on_lr_drop``: the replicas restart from z when the lr has dropped since the last optimizer
+        step (:func:`lr_dropped`). Called once per optimizer step, before it."""
         optimizer = self.optimizers[0]
         lrs = [float(group["lr"]) for group in optimizer.param_groups]
         if (
@@ -1399,12 +1405,13 @@ def _on_before_batch_transfer(module: "pl.LightningModule", batch: Any, dataload
     return hook(module, batch, dataloader_idx)
 
 
-def lr_dropped(lrs: Sequence[float], last_lrs: Sequence[float], lrs_before: Optional[Sequence[float]] = None) -> bool:
+def lr_dropped(lrs: Sequence[float], last_lrs: Sequence[float], lrs_before: Optional[Sequence[float]]) -> bool:
     """Whether a param group's learning rate fell to at most ``LR_DROP_RATIO`` of its last value, which it had
-    held for a step (``lrs_before``, the values a step earlier; None: unknown, taken as held). An lr held at 0 is
-    no drop, and neither is a step of a decay that changes the lr every step."""
-    before = last_lrs if lrs_before is None else lrs_before
-    return any(new < old == prior and new <= LR_DROP_RATIO * old for new, old, prior in zip(lrs, last_lrs, before))
+    held for a step (``lrs_before``, the values a step earlier; None: unknown, as at a fit's second step, so no
+    drop). An lr held at 0 is no drop, and neither is a step of a decay that changes the lr every step."""
+    if lrs_before is None:
+        return False
+    return any(new < old == prior and new <= LR_DROP_RATIO * old for new, old, prior in zip(lrs, last_lrs, lrs_before))
 
 
 def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) -> Tensor:

@@ -183,11 +183,50 @@ def test_replicas_reset_to_z_when_the_learning_rate_drops(reset: bool, algorithm
 def test_an_lr_drop_is_a_fall_to_at_most_nine_tenths_after_a_plateau() -> None:
     from lightning_crossbow.strategy import lr_dropped
 
-    assert lr_dropped([0.05], [0.1]) and lr_dropped([0.09], [0.1]) and lr_dropped([0.1, 0.0], [0.1, 0.1])
-    assert not lr_dropped([0.095], [0.1]) and not lr_dropped([0.2], [0.1])
-    assert not lr_dropped([0.0], [0.0])  # a warm-up starting at 0, or a schedule that holds 0: no reset per step
-    assert lr_dropped([0.05], [0.1], [0.1])  # a step schedule: a plateau, then a drop
+    assert lr_dropped([0.05], [0.1], [0.1]) and lr_dropped([0.09], [0.1], [0.1])  # a plateau, then a drop
+    assert lr_dropped([0.1, 0.0], [0.1, 0.1], [0.1, 0.1])  # (in any param group)
+    assert not lr_dropped([0.095], [0.1], [0.1]) and not lr_dropped([0.2], [0.1], [0.1])
+    assert not lr_dropped([0.0], [0.0], [0.0])  # a warm-up starting at 0, or a schedule that holds 0
     assert not lr_dropped([0.05], [0.1], [0.15])  # the steep tail of a cosine: the lr changed the step before too
+    assert not lr_dropped([0.05], [0.1], None)  # a fit's second step: no plateau seen yet (a per-step decay?)
+
+
+class _StepSpread(Classifier):
+    """Records, at the first micro-batch of every optimizer step, how far the replicas are from z (0: reset)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        super().__init__(lr=0.2)
+        self.make_scheduler, self.spread = scheduler, {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        bucket = self.trainer.strategy.stack.buckets[0]
+        self.spread.setdefault(self.trainer.global_step, float((bucket.replicas - bucket.center).abs().max()))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.make_scheduler(optimizer), "interval": "step"}}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_replicas_reset_only_at_an_lr_drop_after_a_plateau_with_or_without_accumulation(accumulate: int) -> None:
+    """A per-step decay (20% a step) never resets the replicas, also at a fit's second step and with gradients
+    accumulated over several batches; a step schedule resets them once, at the first optimizer step after its drop."""
+    runs = {}
+    for name, scheduler in {
+        "per-step decay": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8),
+        "drop after step 3": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[3], gamma=0.5),
+    }.items():
+        model = _StepSpread(scheduler)
+        strategy = CrossbowStrategy(replicas_per_device=2, algorithm="sma", engine="sequential")
+        trainer(strategy=strategy, accumulate_grad_batches=accumulate, max_steps=6).fit(
+            model, loader(make_data(num_samples=2 * 8 * accumulate * 6))
+        )
+        runs[name] = model.spread
+    assert list(runs["per-step decay"]) == list(range(6))
+    assert runs["per-step decay"][0] == 0.0  # replicas start as copies of z
+    assert all(spread > 0.0 for step, spread in runs["per-step decay"].items() if step > 0)
+    assert [step for step, spread in runs["drop after step 3"].items() if spread == 0.0] == [0, 3]
 
 
 class _Plateau(Classifier):
