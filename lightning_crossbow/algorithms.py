@@ -438,7 +438,9 @@ class Gossip(Averaging):
     ``center_is_learner_mean``. With ``K = 1`` a learner has no peer and
     trains alone. A learner left out of the step (diverged, or its ``training_step`` skipped) takes its peer's
     weights, and no learner mixes in a peer whose weights are not finite (as a diverged step leaves them). A
-    learner that skipped keeps its pre-step weights, finite, so its peer mixes them in as they are.
+    learner that skipped keeps its pre-step weights, finite, so its peer mixes them in as they are. A diverged
+    learner whose peer diverged too (or that has none) restarts from the mean of this process's finite learners,
+    or from z as last formed where none is (:func:`restart_stranded_`).
     """
 
     central_momentum = 0.0
@@ -458,19 +460,30 @@ class Gossip(Averaging):
         if context.riders is not None:  # (no all-reduce of its own to ride in)
             context.all_reduce_sum(context.riders)
         shift = self.shift(context.step, context.num_learners)
-        if shift == 0:
-            return True
         for bucket in buckets:
             rows = bucket.replicas
-            peers = context.pull_rows(rows, shift)
-            own_ok, peer_ok = rows.isfinite().all(1, keepdim=True), peers.isfinite().all(1, keepdim=True)
-            if context.dropped is not None:
-                own_ok &= ~context.dropped.unsqueeze(1)
-            if bool(own_ok.all()) and bool(peer_ok.all()):
-                rows.add_(peers).mul_(0.5)
-            else:  # a diverged learner takes its peer's weights, and nobody mixes in a diverged peer
+            if shift:
+                peers = context.pull_rows(rows, shift)
+                own_ok, peer_ok = rows.isfinite().all(1, keepdim=True), peers.isfinite().all(1, keepdim=True)
+                if context.dropped is not None:
+                    own_ok &= ~context.dropped.unsqueeze(1)
+                if bool(own_ok.all()) and bool(peer_ok.all()):
+                    rows.add_(peers).mul_(0.5)
+                    continue
+                # a diverged learner takes its peer's weights, and nobody mixes in a diverged peer
                 rows.copy_(torch.where(own_ok & peer_ok, (rows + peers) * 0.5, torch.where(own_ok, rows, peers)))
+            restart_stranded_(rows, bucket.center)
         return True  # (its left-out learners take their peers' weights)
+
+
+def restart_stranded_(rows: Tensor, center: Tensor) -> None:
+    """Gossip's learners whose weights are still not finite (diverged, without a finite peer to take weights from;
+    or alone, K=1) restart from the mean of this process's finite learners, or, where none is, from z as last
+    formed (``center``: at the last epoch's end, logging step or read)."""
+    stranded = ~rows.isfinite().all(1)
+    if bool(stranded.any()):
+        finite = rows[~stranded]
+        rows[stranded] = finite.mean(0) if len(finite) else center
 
 
 def make_averaging(

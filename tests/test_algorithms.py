@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.algorithms import (
@@ -172,6 +173,41 @@ class _GrowAtStep(L.Callback):
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if trainer.strategy.replicas_per_device == 5 and not hasattr(self, "rows"):
             self.rows = [bucket.replicas.detach().clone() for bucket in trainer.strategy.stack.buckets]
+
+
+class _LearnersAfterStep(L.Callback):
+    """The learners' weights (the stacked replicas) after one optimizer step."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.params = step, {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step + 1:
+            self.params = {n: p.detach().clone() for n, p in trainer.strategy.stack.params.items()}
+
+
+@pytest.mark.parametrize("k", [1, 3], ids=["one learner", "three learners"])
+def test_gossip_learners_that_diverge_without_a_finite_peer_restart_from_z(k: int) -> None:
+    """Every learner of step 1 diverges (k=3: each one's peer too; k=1: it has none): each restarts from z as last
+    formed (here the initial weights: no epoch end or logging step formed it since), with fresh optimizer state,
+    and training goes on, finite."""
+    x, y = make_data(num_samples=k * 8 * 4)[:]
+    for replica in range(k):
+        x[(k + replica) * 8] = float("nan")  # step 1's batches
+    model, after_step_1, snapshot = Classifier(), _LearnersAfterStep(1), ReplicaSnapshot()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.warns(UserWarning, match="non-finite loss") as record:
+        trainer(
+            strategy=CrossbowStrategy(replicas_per_device=k, algorithm="gossip"),
+            max_steps=4,
+            callbacks=[after_step_1, snapshot],
+        ).fit(model, loader(TensorDataset(x, y)))
+    diverged = [str(w.message) for w in record if "non-finite loss" in str(w.message)]
+    assert sorted({int(message.split(" at step ")[1].split(";")[0]) for message in diverged}) == [1]
+    for name, learners in after_step_1.params.items():
+        assert torch.equal(learners, initial[name].expand_as(learners))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in snapshot.params.values())
 
 
 def test_gossip_learners_added_by_a_k_change_start_from_the_learners_mean() -> None:
