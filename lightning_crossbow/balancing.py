@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_crossbow.routing import Split
-from lightning_crossbow.validation import check_int, check_real
+from lightning_crossbow.validation import check_clock, check_int, check_real
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ class SpeedBalancer:
         check_int("every", every, note=" (steps per window)")
         check_real("min_gain", min_gain, "in [0, 1)", lambda value: 0.0 <= value < 1.0)
         check_int("remember", remember, note=" (distinct k per rank)")
+        check_clock(clock)
         self.every = every
         self.min_gain = min_gain
         self.remember = remember

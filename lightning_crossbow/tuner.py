@@ -40,6 +40,7 @@ their measured speed.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_crossbow.validation import check_int, check_real
+from lightning_crossbow.validation import check_clock, check_int, check_real
 
 OBJECTIVES = ("throughput", "progress")
 CLIMBS = ("linear", "doubling")
@@ -149,6 +150,11 @@ class ReplicaAutoTuner(Callback):
             raise ValueError(f"look_ahead must be True or False, got {look_ahead!r}.")
         if recheck_every is not None:
             check_int("recheck_every", recheck_every, note=" or None")
+        check_clock(clock)
+        if plot is not None and plot is not False and not isinstance(plot, (str, os.PathLike)):
+            raise ValueError(
+                f"plot must be a path (str or os.PathLike), None (in the trainer's log_dir) or False, got {plot!r}."
+            )
         self.objective = objective
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         self.window, self.warmup, self.threshold = window, warmup, float(threshold)

@@ -29,3 +29,9 @@ def check_real(name: str, value: Any, allowed: str, holds: Callable[[float], boo
     """``value`` is a finite real number for which ``holds`` is true; ``allowed`` says which (">= 0")."""
     if not is_real(value) or not holds(float(value)):
         raise ValueError(f"{name} must be a number {allowed}, got {value!r}.")
+
+
+def check_clock(value: Any) -> None:
+    """``value`` is a function returning seconds, as ``time.perf_counter`` (the clock tests inject)."""
+    if not callable(value):
+        raise ValueError(f"clock must be a function returning seconds (as time.perf_counter), got {value!r}.")

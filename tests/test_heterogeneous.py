@@ -298,6 +298,8 @@ def test_speed_balancer_arguments_are_checked() -> None:
         SpeedBalancer(min_gain="0.1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"remember must be a positive int \(1, 2, 3, ...\) \(distinct k per rank\)"):
         SpeedBalancer(remember=True)
+    with pytest.raises(ValueError, match="clock must be a function returning seconds"):
+        SpeedBalancer(clock=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="heterogeneous must be True, False or a SpeedBalancer"):
         CrossbowStrategy(heterogeneous="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not apply to algorithm='gossip'"):

@@ -413,6 +413,9 @@ def test_the_tuner_needs_the_crossbow_strategy() -> None:
         ({"recheck_every": 0}, "recheck_every must be a positive int .* or None"),
         ({"climb": "binary"}, "climb must be one of"),
         ({"look_ahead": "yes"}, "look_ahead must be True or False, got 'yes'"),
+        ({"plot": True}, r"plot must be a path \(str or os.PathLike\), None \(in the trainer's log_dir\) or False"),
+        ({"plot": 123}, "plot must be a path .*, got 123"),
+        ({"clock": 5}, r"clock must be a function returning seconds \(as time.perf_counter\), got 5"),
     ],
 )
 def test_bad_tuner_arguments(kwargs: dict, message: str) -> None:
