@@ -433,9 +433,9 @@ class Gossip(Averaging):
     learners within ``K - 1`` steps. The mixing is doubly stochastic: the learners' mean, which is z,
     moves exactly as if they were averaged, but no process waits for all others; across processes a
     step sends and receives point to point (:func:`~lightning_crossbow.collectives.pull_rows`),
-    never all-reduces. z is therefore only formed (one all-reduce) at every epoch's end, at logging steps
-    (for the logged spread of the learners) and when read (validation, checkpoints, test, predict):
-    ``center_is_learner_mean``. With ``K = 1`` a learner has no peer and
+    never all-reduces. Across processes z is therefore only formed (one all-reduce) at every epoch's end, at
+    logging steps (for the logged spread of the learners) and when read (validation, checkpoints, test,
+    predict); on one process, after every step, where it costs no collective: ``center_is_learner_mean``. With ``K = 1`` a learner has no peer and
     trains alone. A learner left out of the step (diverged, or its ``training_step`` skipped) takes its peer's
     weights, and no learner mixes in a peer whose weights are not finite (as a diverged step leaves them). A
     learner that skipped keeps its pre-step weights, finite, so its peer mixes them in as they are. A diverged

@@ -5,7 +5,8 @@ call, and in a loop Lightning would keep the last replica's value. While a repli
 ``training_step`` runs, ``module.log``/``module.log_dict`` are shadowed by recorders; afterwards
 :meth:`LogCapture.replay` calls the real ``self.log`` once per name with the mean over replicas
 (torchmetrics ``Metric`` objects are passed through once: they already aggregate every replica's
-updates).
+updates, for the epoch value; the step value, which Lightning reads from the metric's last ``forward``, is
+set to the mean over replicas of each replica's own ``forward`` value).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 
 @dataclass
@@ -26,6 +28,8 @@ class LogCall:
     name: str
     value: Any
     kwargs: dict[str, Any]
+    #: For a torchmetrics ``Metric``: its ``forward`` value when this replica logged it (its own batch's value).
+    step_value: Any = None
 
 
 @dataclass
@@ -33,6 +37,7 @@ class _Logged:
     kwargs: dict[str, Any]
     per_replica: list[Any] = field(default_factory=list)
     stacked: list[Tensor] = field(default_factory=list)
+    step_values: list[Any] = field(default_factory=list)  # a Metric's, one per replica
 
 
 class LogCapture:
@@ -48,7 +53,8 @@ class LogCapture:
         calls: list[LogCall] = []
 
         def log(name: str, value: Any, **kwargs: Any) -> None:
-            calls.append(LogCall(name, value, kwargs))
+            step_value = value._forward_cache if isinstance(value, Metric) else None
+            calls.append(LogCall(name, value, kwargs, step_value))
 
         def log_dict(dictionary: Mapping[str, Any], **kwargs: Any) -> None:
             for name, value in dictionary.items():
@@ -63,7 +69,9 @@ class LogCapture:
     def add(self, calls: list[LogCall]) -> None:
         """Adds the calls of one replica."""
         for call in calls:
-            self._logged.setdefault(call.name, _Logged(call.kwargs)).per_replica.append(call.value)
+            logged = self._logged.setdefault(call.name, _Logged(call.kwargs))
+            logged.per_replica.append(call.value)
+            logged.step_values.append(call.step_value)
 
     def add_stacked(self, calls: list[LogCall], stacked_values: list[Tensor]) -> None:
         """Adds the calls of a fused step: tensor values come stacked, shape ``(k, ...)``."""
@@ -89,8 +97,8 @@ class LogCapture:
 def _mean_over_replicas(logged: _Logged) -> Any:
     """Mean over replicas of tensors (stacked or per replica) and numbers; a Metric object passes through."""
     others = [v for v in logged.per_replica if not isinstance(v, Tensor)]
-    if others and not isinstance(others[0], (int, float)):
-        return others[0]  # a torchmetrics Metric: it already aggregates every replica's updates
+    if others and isinstance(others[0], Metric):
+        return _with_mean_step_value(others[0], logged.step_values)
     tensors = [v for v in logged.per_replica if isinstance(v, Tensor)]
     if not others and len(tensors) + len(logged.stacked) == 1:  # one source: no concatenation needed
         if tensors:
@@ -101,3 +109,13 @@ def _mean_over_replicas(logged: _Logged) -> Any:
     rows += [torch.tensor([float(v)]) for v in others]
     values = torch.cat([r.to(rows[0].device).float() for r in rows])
     return values.mean(0)
+
+
+def _with_mean_step_value(metric: Metric, step_values: list[Any]) -> Metric:
+    """``metric`` (which already aggregates every replica's updates, the epoch value), its step value (the last
+    ``forward``'s, which Lightning logs on step) set to the mean of the replicas' own, where each replica's
+    ``forward`` gave a tensor."""
+    if len(step_values) > 1 and all(isinstance(v, Tensor) for v in step_values):
+        values = torch.stack([v.detach() for v in step_values])
+        metric._forward_cache = values.float().mean(0).to(values.dtype)
+    return metric

@@ -180,14 +180,22 @@ class ReplicaStack:
 
     @torch.no_grad()
     def sync_center_buffers_(self, module: nn.Module, all_reduce_mean: Optional[BufferReducer] = None) -> None:
-        """z's buffers <- the mean over all replicas (floating point); integer buffers take replica 0's."""
+        """z's buffers <- the mean over all replicas (floating point; across processes, one ``all_reduce_mean`` of
+        the means flattened together per dtype); integer buffers take replica 0's."""
+        floating: dict[torch.dtype, list[str]] = {}
         for name, stack in self.buffers.items():
-            target = module.get_buffer(name)
             if stack.is_floating_point():
-                mean = stack.mean(0)
-                target.copy_(all_reduce_mean(mean) if all_reduce_mean is not None else mean)
+                floating.setdefault(stack.dtype, []).append(name)
             else:
-                target.copy_(stack[0])
+                module.get_buffer(name).copy_(stack[0])
+        for names in floating.values():
+            means = [self.buffers[name].mean(0) for name in names]
+            if all_reduce_mean is not None:
+                flat = all_reduce_mean(torch.cat([mean.flatten() for mean in means]))
+                sizes = [mean.numel() for mean in means]
+                means = [part.view_as(mean) for part, mean in zip(flat.split(sizes), means, strict=True)]
+            for name, mean in zip(names, means, strict=True):
+                module.get_buffer(name).copy_(mean)
 
     @torch.no_grad()
     def resize_(self, num_replicas: int) -> None:

@@ -866,8 +866,7 @@ class CrossbowStrategy(DDPStrategy):
             skipped = None  # every learner of every process skipped: those stay as they were (diverged ones restart)
         self._restart_left_out(optimizer, diverged, skipped)
         self._center_stale = True
-        if self.averaging.center_is_learner_mean and self._ends_an_epoch():
-            self.sync_center()  # epoch-end callbacks and on_train_end read z directly
+        self._form_center_after_step()
         if self.balancer is not None:
             if window_done:
                 self._rebalance()
@@ -1142,19 +1141,34 @@ class CrossbowStrategy(DDPStrategy):
         parameters too for rules that keep no z during training (gossip). A no-op when nothing changed."""
         if self.stack is None or not self._center_stale:
             return
-
-        def all_reduce_mean(tensor: Tensor) -> Tensor:
-            if self.routing is not None:  # ranks hold different numbers of learners: weigh each rank's mean by them
-                assert self.stack is not None
-                return all_reduce_sum_(tensor.mul_(self.stack.num_replicas)).div_(self.num_learners)
-            return all_reduce_sum_(tensor).div_(self.world_size)
-
+        reduce = self._all_reduce_mean if self.world_size > 1 else None
         with torch.no_grad():
             if self.averaging.center_is_learner_mean:
                 for bucket in self.stack.buckets:
-                    bucket.center.copy_(all_reduce_mean(bucket.replicas.mean(0)))
-            self.stack.sync_center_buffers_(self.lightning_module, all_reduce_mean)
+                    mean = bucket.replicas.mean(0)
+                    bucket.center.copy_(mean if reduce is None else reduce(mean))
+            self.stack.sync_center_buffers_(self.lightning_module, reduce)
         self._center_stale = False
+
+    def _form_center_after_step(self) -> None:
+        """After every optimizer step, what callbacks, hooks and the module itself read is z, as the averaging left
+        it: z's buffers (the replicas' mean) and, for gossip, z's parameters (the learners' mean). On one process
+        always (no collective needed). Across processes: z's buffers at every step, in one all-reduce per dtype,
+        where the model has floating-point buffers, as DDP broadcasts its buffers at every step; gossip, which has
+        no all-reduce of its own, forms z and its buffers at every epoch's end and the last step (and when read)."""
+        assert self.stack is not None
+        if self.world_size == 1 or (self.averaging.center_is_learner_mean and self._ends_an_epoch()):
+            self.sync_center()
+        elif not self.averaging.center_is_learner_mean:
+            self.stack.sync_center_buffers_(self.lightning_module, self._all_reduce_mean)
+            self._center_stale = False  # (z itself: the averaging's own, in place)
+
+    def _all_reduce_mean(self, tensor: Tensor) -> Tensor:
+        """The mean over every process's learners of ``tensor``, this process's mean over its own (in place)."""
+        if self.routing is not None:  # ranks hold different numbers of learners: weigh each rank's mean by them
+            assert self.stack is not None
+            return all_reduce_sum_(tensor.mul_(self.stack.num_replicas)).div_(self.num_learners)
+        return all_reduce_sum_(tensor).div_(self.world_size)
 
     @override
     def on_validation_start(self) -> None:

@@ -175,37 +175,37 @@ class _GrowAtStep(L.Callback):
             self.rows = [bucket.replicas.detach().clone() for bucket in trainer.strategy.stack.buckets]
 
 
-class _LearnersAfterStep(L.Callback):
-    """The learners' weights (the stacked replicas) after one optimizer step."""
+class _CenterAndLearners(L.Callback):
+    """z (the module's parameters) after step 0, and the learners' weights (the stacked replicas) after step 1."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.params = step, {}
+    def __init__(self) -> None:
+        self.center, self.learners = {}, {}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self.step + 1:
-            self.params = {n: p.detach().clone() for n, p in trainer.strategy.stack.params.items()}
+        if trainer.global_step == 1:
+            self.center = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        if trainer.global_step == 2:
+            self.learners = {n: p.detach().clone() for n, p in trainer.strategy.stack.params.items()}
 
 
 @pytest.mark.parametrize("k", [1, 3], ids=["one learner", "three learners"])
 def test_gossip_learners_that_diverge_without_a_finite_peer_restart_from_z(k: int) -> None:
     """Every learner of step 1 diverges (k=3: each one's peer too; k=1: it has none): each restarts from z as last
-    formed (here the initial weights: no epoch end or logging step formed it since), with fresh optimizer state,
-    and training goes on, finite."""
+    formed (on one process: after step 0), with fresh optimizer state, and training goes on, finite."""
     x, y = make_data(num_samples=k * 8 * 4)[:]
     for replica in range(k):
         x[(k + replica) * 8] = float("nan")  # step 1's batches
-    model, after_step_1, snapshot = Classifier(), _LearnersAfterStep(1), ReplicaSnapshot()
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, probe, snapshot = Classifier(), _CenterAndLearners(), ReplicaSnapshot()
     with pytest.warns(UserWarning, match="non-finite loss") as record:
         trainer(
             strategy=CrossbowStrategy(replicas_per_device=k, algorithm="gossip"),
             max_steps=4,
-            callbacks=[after_step_1, snapshot],
+            callbacks=[probe, snapshot],
         ).fit(model, loader(TensorDataset(x, y)))
     diverged = [str(w.message) for w in record if "non-finite loss" in str(w.message)]
     assert sorted({int(message.split(" at step ")[1].split(";")[0]) for message in diverged}) == [1]
-    for name, learners in after_step_1.params.items():
-        assert torch.equal(learners, initial[name].expand_as(learners))
+    for name, learners in probe.learners.items():
+        assert torch.equal(learners, probe.center[name].expand_as(learners))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.isfinite(p).all() for p in snapshot.params.values())
 

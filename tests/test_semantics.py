@@ -367,6 +367,41 @@ def test_torchmetrics_in_training_step_falls_back_to_sequential_once_and_counts_
     assert float(model.trainer.callback_metrics["samples"]) == 80  # every replica's samples, counted once
 
 
+class _StepMetric(Classifier):
+    """Logs a MeanMetric's forward (this batch's mean input) on step and its epoch value; keeps each batch's mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean_input = torchmetrics.MeanMetric()
+        self.batch_means: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.mean_input(x.mean())
+        self.log("mean_input", self.mean_input, on_step=True, on_epoch=True)
+        self.batch_means.append(float(x.mean()))
+        return super().training_step(batch, batch_idx)
+
+
+class _StepValues(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.values.append(float(trainer.callback_metrics["mean_input_step"]))
+
+
+def test_a_metric_logged_on_step_logs_the_mean_of_the_replicas_own_values() -> None:
+    model, steps = _StepMetric(), _StepValues()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="sequential"), callbacks=[steps]).fit(
+        model, loader(make_data())
+    )
+    expected = [(a + b) / 2 for a, b in zip(model.batch_means[::2], model.batch_means[1::2], strict=True)]
+    assert steps.values == pytest.approx(expected, rel=1e-6)
+    epoch = float(model.trainer.callback_metrics["mean_input_epoch"])
+    assert epoch == pytest.approx(sum(model.batch_means) / len(model.batch_means), rel=1e-6)  # every replica's
+
+
 class _BatchNormNet(Classifier):
     def __init__(self) -> None:
         super().__init__()
@@ -380,6 +415,87 @@ def test_batchnorm_statistics_per_replica_and_their_mean_in_z() -> None:
     assert not torch.allclose(stacked_mean[0], stacked_mean[1])
     torch.testing.assert_close(model.net[1].running_mean, stacked_mean.mean(0))
     torch.testing.assert_close(model.net[1].running_var, snapshot.state["buffers"]["net.1.running_var"].mean(0))
+
+
+class _BuffersSeen(L.Callback):
+    """z's buffers as callbacks see them after every step and at every epoch's end, and the replicas' mean then."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, torch.Tensor]] = []
+        self.replicas_mean: list[dict[str, torch.Tensor]] = []
+
+    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seen.append({n: b.clone() for n, b in pl_module.named_buffers()})
+        stack = getattr(trainer.strategy, "stack", None)
+        if stack is not None:
+            self.replicas_mean.append({n: b.float().mean(0) for n, b in stack.buffers.items()})
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._record(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record(trainer, pl_module)
+
+
+def test_callbacks_see_z_s_buffers_as_the_replicas_mean_after_every_step() -> None:
+    """Not only at validation or checkpoints: after every step z's BatchNorm statistics are the replicas' mean (and
+    with k=1 exactly plain Lightning's, step by step)."""
+    model, seen = _BatchNormNet(), _BuffersSeen()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2, callbacks=[seen]).fit(
+        model, loader(make_data())
+    )
+    assert len(seen.seen) == 2 * (5 + 1)  # two epochs of five steps (10 batches, k=2), and each epoch's end
+    for z, mean in zip(seen.seen, seen.replicas_mean, strict=True):
+        torch.testing.assert_close(z["net.1.running_mean"], mean["net.1.running_mean"], rtol=0, atol=0)
+        torch.testing.assert_close(z["net.1.running_var"], mean["net.1.running_var"], rtol=0, atol=0)
+    assert not torch.equal(seen.seen[0]["net.1.running_mean"], seen.seen[1]["net.1.running_mean"])
+    runs = {}
+    for name, strategy in {"plain": "auto", "crossbow k=1": CrossbowStrategy(replicas_per_device=1)}.items():
+        runs[name] = _BuffersSeen()
+        trainer(strategy=strategy, max_epochs=2, callbacks=[runs[name]]).fit(_BatchNormNet(), loader(make_data()))
+    assert len(runs["plain"].seen) == len(runs["crossbow k=1"].seen) == 2 * (10 + 1)
+    for plain, ours in zip(runs["plain"].seen, runs["crossbow k=1"].seen, strict=True):
+        for name in plain:
+            assert torch.equal(plain[name], ours[name]), name
+
+
+def test_a_weight_averaging_callback_keeps_its_averaged_buffers_at_the_end() -> None:
+    """Lightning's EMA callback writes its averaged model into the module at on_train_end, which Lightning calls
+    before the strategy's own: with k=1 the final model is plain Lightning's, buffers included."""
+    callbacks = pytest.importorskip("lightning.pytorch.callbacks")
+    if not hasattr(callbacks, "EMAWeightAveraging"):
+        pytest.skip("this Lightning release has no EMAWeightAveraging")
+    models = {}
+    for name, strategy in {"plain": "auto", "crossbow k=1": CrossbowStrategy(replicas_per_device=1)}.items():
+        models[name] = _BatchNormNet()
+        trainer(strategy=strategy, max_epochs=2, callbacks=[callbacks.EMAWeightAveraging(decay=0.5)]).fit(
+            models[name], loader(make_data())
+        )
+    plain, ours = models["plain"].state_dict(), models["crossbow k=1"].state_dict()
+    assert list(plain) == list(ours)
+    for name in plain:
+        assert torch.equal(plain[name], ours[name]), name
+
+
+def test_a_diverged_replica_restarts_from_z_s_buffers_of_the_step_before() -> None:
+    x, y = make_data(num_samples=8 * 2 * 4)[:]
+    x[8 * 7] = float("nan")  # batch 7 = replica 1 of step 3 (k=2)
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 3:  # step 2 done
+                self.z_before = pl_module.net[1].running_mean.clone()
+            if trainer.global_step == 4:  # step 3 done
+                self.replicas = trainer.strategy.stack.buffers["net.1.running_mean"].clone()
+
+    probe = Probe()
+    with pytest.warns(UserWarning, match="replica 1 on rank 0 has a non-finite loss"):
+        trainer(
+            strategy=CrossbowStrategy(replicas_per_device=2, engine="sequential"), max_steps=4, callbacks=[probe]
+        ).fit(_BatchNormNet(), loader(TensorDataset(x, y)))
+    assert probe.z_before.abs().sum() > 0  # (trained statistics, not the initial zeros)
+    assert torch.equal(probe.replicas[1], probe.z_before)
+    assert torch.isfinite(probe.replicas).all()
 
 
 class _Dropout(Classifier):
