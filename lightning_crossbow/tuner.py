@@ -196,13 +196,16 @@ class ReplicaAutoTuner(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Starts at ``min_replicas`` at least (as far as the ceiling allows): no window is measured below it."""
+        """Starts within ``[min_replicas, max_replicas]`` (at least ``min_replicas`` as far as the ceiling allows): no
+        window is measured outside them."""
         strategy = trainer.strategy
         k = strategy.tuned_replicas_per_device
         self._room = strategy.replica_room()  # a collective: every rank starts training here
         start = min(self.min_replicas, self._ceiling(k, strategy))
         if self.chosen is None and k < start:
             strategy.set_replicas_per_device(start)  # (every rank, at the same point)
+        elif k > self.max_replicas:  # (the strategy's replicas_per_device, or a resumed k, above the bound)
+            strategy.set_replicas_per_device(self.max_replicas)
 
     @override
     def on_train_batch_end(

@@ -334,6 +334,14 @@ def test_no_window_is_measured_below_min_replicas(tmp_path, objective: str) -> N
     assert tuner.chosen is None or tuner.chosen >= 3
 
 
+@pytest.mark.parametrize("objective", ["throughput", "progress"])
+def test_no_window_is_measured_above_max_replicas(tmp_path, objective: str) -> None:
+    """The strategy's replicas_per_device above the tuner's max_replicas: training starts at max_replicas."""
+    tuner, _ = tuned_fit(tmp_path, max_steps=30, start_k=4, objective=objective, max_replicas=2)
+    measured = [record.replicas_per_device for record in tuner.history]
+    assert measured and max(measured) <= 2
+
+
 def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
     tuner, fit = tuned_fit(tmp_path, max_steps=70)
     fit.save_checkpoint(tmp_path / "tuned.ckpt")
