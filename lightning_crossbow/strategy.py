@@ -193,7 +193,7 @@ class CrossbowStrategy(DDPStrategy):
                 "heterogeneous=True does not apply to algorithm='gossip': its peers are paired by position,"
                 " which assumes the same number of learners on every rank. Use 'scaled_averaging', 'sma' or 'easgd'."
             )
-        super().__init__(
+        lightning_arguments = dict(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -203,6 +203,8 @@ class CrossbowStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        _check_lightning_arguments(lightning_arguments)
+        super().__init__(**lightning_arguments)
         self.replicas_per_device = int(replicas_per_device)
         self.algorithm = algorithm
         self._alpha = None if alpha is None else float(alpha)
@@ -1460,6 +1462,42 @@ def _optimizer_classes(classes: Any) -> tuple[type[Optimizer], ...]:
             f" elementwise_optimizers=[MySGD]; got {wrong[0]!r}."
         )
     return classes
+
+
+#: Lightning's ways of starting the processes (DDPStrategy's ``start_method``).
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def _check_lightning_arguments(arguments: Mapping[str, Any]) -> None:
+    """The arguments CrossbowStrategy passes on to Lightning's DDPStrategy, each of the type it takes (None: chosen
+    for you), so that a wrong one fails here with its name rather than later with an AttributeError."""
+    expected = {
+        "accelerator": (Accelerator, "lightning.pytorch.accelerators.Accelerator"),
+        "cluster_environment": (ClusterEnvironment, "lightning.fabric.plugins.ClusterEnvironment"),
+        "checkpoint_io": (CheckpointIO, "lightning.fabric.plugins.CheckpointIO"),
+        "precision_plugin": (Precision, "lightning.pytorch.plugins.precision.Precision"),
+        "timeout": (timedelta, "datetime.timedelta"),
+    }
+    for name, (kind, where) in expected.items():
+        value = arguments[name]
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{name} must be a {where} or None, got {value!r}.")
+    devices = arguments["parallel_devices"]
+    if devices is not None and not (
+        isinstance(devices, (list, tuple)) and all(isinstance(d, torch.device) for d in devices)
+    ):
+        raise ValueError(f"parallel_devices must be a list of torch.device or None, got {devices!r}.")
+    backend = arguments["process_group_backend"]
+    known = [name for name in torch.distributed.Backend.backend_list if name != "undefined"]
+    if backend is not None and not (isinstance(backend, str) and (backend in known or ":" in backend)):
+        raise ValueError(
+            f"process_group_backend must be one of {', '.join(map(repr, known))} (or per device, as"
+            f" 'cpu:gloo,cuda:nccl'), or None (gloo on CPU, NCCL on CUDA), got {backend!r}."
+        )
+    if arguments["start_method"] not in _START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(map(repr, _START_METHODS))}, got {arguments['start_method']!r}."
+        )
 
 
 def _cpu_copy(tensor: Tensor) -> Tensor:

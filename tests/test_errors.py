@@ -224,6 +224,15 @@ def test_numpy_numbers_are_accepted_as_numbers() -> None:
         (dict(reset_on_lr_drop="no"), "reset_on_lr_drop must be True or False, got 'no'"),
         (dict(elementwise_optimizers=["MySGD"]), "elementwise_optimizers must list optimizer classes.*got 'MySGD'"),
         (dict(elementwise_optimizers=[int]), "elementwise_optimizers must list optimizer classes"),
+        (dict(parallel_devices="cpu"), "parallel_devices must be a list of torch.device or None, got 'cpu'"),
+        (dict(cluster_environment="slurm"), "cluster_environment must be a lightning.fabric.plugins.Cluster"),
+        (dict(checkpoint_io="torch"), "checkpoint_io must be a lightning.fabric.plugins.CheckpointIO or None"),
+        (dict(precision_plugin="bf16"), "precision_plugin must be a lightning.pytorch.plugins.precision.Precision"),
+        (dict(accelerator="cpu"), "accelerator must be a lightning.pytorch.accelerators.Accelerator or None"),
+        (dict(process_group_backend="nonsense"), "process_group_backend must be one of 'gloo', 'nccl'.*'nonsense'"),
+        (dict(process_group_backend=5), r"process_group_backend must be one of .*or None \(gloo on CPU.*got 5"),
+        (dict(timeout=30), "timeout must be a datetime.timedelta or None, got 30"),
+        (dict(start_method="bogus"), "start_method must be one of 'popen', 'spawn', 'fork', 'forkserver'"),
     ],
 )
 def test_more_bad_arguments_are_named(kwargs, match) -> None:
