@@ -13,6 +13,7 @@ statistics per replica; the module's own buffers receive their mean on :meth:`sy
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -22,6 +23,11 @@ from torch import Tensor, nn
 from lightning_crossbow.validation import check_int
 
 BufferReducer = Callable[[Tensor], Tensor]
+
+
+def rows_of(stacked: Tensor) -> Tensor:
+    """``stacked`` ``(k, *shape)`` as ``(k, prod(shape))``: one row per replica (scalars and empty tensors too)."""
+    return stacked.reshape(stacked.shape[0], math.prod(stacked.shape[1:]))
 
 
 def resize_rows(stacked: Tensor, num_rows: int, fill: Optional[Tensor] = None) -> Tensor:
@@ -180,8 +186,9 @@ class ReplicaStack:
 
     @torch.no_grad()
     def sync_center_buffers_(self, module: nn.Module, all_reduce_mean: Optional[BufferReducer] = None) -> None:
-        """z's buffers <- the mean over all replicas (floating point; across processes, one ``all_reduce_mean`` of
-        the means flattened together per dtype); integer buffers take replica 0's."""
+        """z's buffers <- the mean over all replicas (floating point: one mean over the replicas of every buffer of a
+        dtype flattened together, and across processes one ``all_reduce_mean`` of it); integer buffers take
+        replica 0's."""
         floating: dict[torch.dtype, list[str]] = {}
         for name, stack in self.buffers.items():
             if stack.is_floating_point():
@@ -189,13 +196,12 @@ class ReplicaStack:
             else:
                 module.get_buffer(name).copy_(stack[0])
         for names in floating.values():
-            means = [self.buffers[name].mean(0) for name in names]
+            means = torch.cat([rows_of(self.buffers[name]) for name in names], dim=1).mean(0)
             if all_reduce_mean is not None:
-                flat = all_reduce_mean(torch.cat([mean.flatten() for mean in means]))
-                sizes = [mean.numel() for mean in means]
-                means = [part.view_as(mean) for part, mean in zip(flat.split(sizes), means, strict=True)]
-            for name, mean in zip(names, means, strict=True):
-                module.get_buffer(name).copy_(mean)
+                means = all_reduce_mean(means)
+            targets = [module.get_buffer(name) for name in names]
+            for target, mean in zip(targets, means.split([t.numel() for t in targets]), strict=True):
+                target.copy_(mean.view_as(target))
 
     @torch.no_grad()
     def resize_(self, num_replicas: int) -> None:

@@ -459,6 +459,27 @@ def test_callbacks_see_z_s_buffers_as_the_replicas_mean_after_every_step() -> No
             assert torch.equal(plain[name], ours[name]), name
 
 
+class _ScalarAndEmptyBuffers(_BatchNormNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inputs_seen", torch.zeros(()))  # a scalar, updated by every replica
+        self.register_buffer("nothing", torch.zeros(0))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.inputs_seen.add_(batch[0].mean())
+        return super().training_step(batch, batch_idx)
+
+
+def test_scalar_and_empty_buffers_are_averaged_with_the_others() -> None:
+    model, seen = _ScalarAndEmptyBuffers(), _BuffersSeen()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), callbacks=[seen]).fit(model, loader(make_data()))
+    for z, mean in zip(seen.seen, seen.replicas_mean, strict=True):
+        assert z["inputs_seen"].shape == () and z["nothing"].shape == (0,)
+        torch.testing.assert_close(z["inputs_seen"], mean["inputs_seen"], rtol=0, atol=0)
+        torch.testing.assert_close(z["net.1.running_mean"], mean["net.1.running_mean"], rtol=0, atol=0)
+    assert seen.seen[-1]["inputs_seen"] != 0
+
+
 def test_a_weight_averaging_callback_keeps_its_averaged_buffers_at_the_end() -> None:
     """Lightning's EMA callback writes its averaged model into the module at on_train_end, which Lightning calls
     before the strategy's own: with k=1 the final model is plain Lightning's, buffers included."""
