@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
+import torch
 from torch import Tensor, nn
 
 #: Where a tensor lives: the submodule, whether it is a parameter (else a buffer), and its attribute name.
@@ -56,7 +57,11 @@ class Reparametrizer:
 
     @contextmanager
     def __call__(self, tensors: Mapping[str, Tensor]) -> Iterator[None]:
-        """Within the block, ``tensors[name]`` stands in every slot of ``name``; the originals are restored after."""
+        """Within the block, ``tensors[name]`` stands in every slot of ``name``; the originals are restored after.
+
+        A buffer that the block replaced (``self.mean = 0.9 * self.mean + ...``, where ``functional_call`` would
+        put the new tensor in its dict) is copied into ``tensors[name]`` when the block ends without an error, so
+        the caller's tensor holds the update, as it does after an in-place one (``add_``)."""
         originals: list[tuple[dict[str, Tensor], str, Tensor]] = []
         try:
             for name, tensor in tensors.items():
@@ -65,9 +70,27 @@ class Reparametrizer:
                     originals.append((held, attribute, held[attribute]))  # type: ignore[arg-type]
                     held[attribute] = tensor  # type: ignore[assignment]
             yield
+            self._keep_replaced_buffers(tensors)
         finally:
             for held, attribute, original in reversed(originals):
                 held[attribute] = original
+
+    def _keep_replaced_buffers(self, tensors: Mapping[str, Tensor]) -> None:
+        """Copies into ``tensors[name]`` the value of every buffer slot that no longer holds it."""
+        for name, tensor in tensors.items():
+            for owner, is_param, attribute in self.slots[name]:
+                current = owner._buffers.get(attribute) if not is_param else tensor
+                if current is tensor:
+                    continue
+                if not isinstance(current, Tensor) or current.shape != tensor.shape:
+                    got = f"shape {tuple(current.shape)}" if isinstance(current, Tensor) else repr(current)
+                    raise RuntimeError(
+                        f"the buffer {name!r} was replaced with {got}; a buffer replaced during the step must keep"
+                        f" its shape {tuple(tensor.shape)}, as each replica holds its own copy of it."
+                    )
+                with torch.no_grad():
+                    tensor.copy_(current.detach())
+                break
 
 
 def _slot(module: nn.Module, name: str) -> Slot:

@@ -172,3 +172,63 @@ def test_two_names_of_one_tensor_are_refused() -> None:
     net.register_buffer("alias", net.weight)  # a parameter also registered as a buffer
     with pytest.raises(ValueError, match=r"'weight' and 'alias' name the same tensor"):
         Reparametrizer(net, ["weight", "alias"])
+
+
+class _RunningMean(nn.Module):
+    """Keeps a running mean of its inputs by replacing its buffers (not in place), as many modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+            self.calls = self.calls + 1
+        return self.linear(x - self.mean)
+
+
+def test_a_buffer_replaced_in_the_block_is_kept_in_the_callers_tensor_as_functional_call_keeps_it() -> None:
+    net, x = _RunningMean(), torch.randn(5, 4)
+    expected = {name: t.clone() for name, t in net.named_buffers()}
+    functional_call(net, expected, (x,))  # (puts the replaced buffers in its dict)
+    ours = {name: t.clone() for name, t in net.named_buffers()}
+    with Reparametrizer(net, ours)(ours):
+        net(x)
+    for name in expected:
+        assert torch.equal(ours[name], expected[name]), name
+    assert int(ours["calls"]) == 1 and net.calls.item() == 0 and not net.mean.any()  # the module's own untouched
+    rows = {name: t.expand(3, *t.shape).clone() for name, t in net.named_buffers()}  # under vmap: each row's own
+    vmap(lambda b, xb: _run(net, b, xb))(rows, x.expand(3, 5, 4))
+    assert rows["calls"].tolist() == [1, 1, 1]
+    torch.testing.assert_close(rows["mean"][2], expected["mean"])
+
+
+def _run(net: nn.Module, tensors: dict[str, Tensor], x: Tensor) -> Tensor:
+    with Reparametrizer(net, tensors)(tensors):
+        return net(x)
+
+
+def test_a_buffer_replaced_with_another_shape_is_refused_by_name() -> None:
+    class Grows(_RunningMean):
+        def forward(self, x: Tensor) -> Tensor:
+            self.mean = torch.cat([self.mean, self.mean])
+            return self.linear(x)
+
+    net = Grows()
+    tensors = {name: t.clone() for name, t in net.named_buffers()}
+    with pytest.raises(RuntimeError, match=r"the buffer 'mean' was replaced with shape \(8,\); a buffer replaced"):
+        _run(net, tensors, torch.randn(5, 4))
+    assert net.mean.shape == (4,)  # the module's own is back
+
+
+def test_one_replica_of_a_module_that_replaces_its_buffers_trains_as_plain_lightning() -> None:
+    class WithRunningMean(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.running = _RunningMean()
+            self.net = nn.Sequential(nn.Linear(6, 4), self.running)
+
+    assert_one_replica_is_plain_lightning(WithRunningMean, make_data())
