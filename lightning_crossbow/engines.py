@@ -313,8 +313,9 @@ class FusedOrSequentialEngine(Engine):
 
     Every fused step is guarded, not only the first: code that ``vmap`` cannot run may appear at any step
     (a branch on ``batch_idx``, a callback that changes a layer). The failed attempt changes nothing: the
-    replicas' buffers are restored from a copy taken before each fused step, the metrics' state is
-    restored, and its logs are dropped.
+    replicas' buffers are restored from a copy taken before each fused step, the metrics' state and the
+    random number generators' (the attempt's dropout draws) are restored, and its logs are dropped; the
+    sequential run of that step is then the one ``engine="sequential"`` would have made.
     """
 
     name = "auto"
@@ -335,6 +336,7 @@ class FusedOrSequentialEngine(Engine):
             return self.sequential.run(stack, batches, args, capture)
         self._buffers.take(stack)
         saved_metrics = {metric: dict(vars(metric)) for metric in self._metrics}
+        random_state = RandomState(_device_of(stack))
         try:
             output = self.fused.run(stack, batches, args, capture)
             _check_no_escaped_metric_state(saved_metrics)
@@ -342,6 +344,7 @@ class FusedOrSequentialEngine(Engine):
             self._buffers.restore_(stack)
             for metric, state in saved_metrics.items():
                 vars(metric).update(state)
+            random_state.restore()
             capture.clear()
             if isinstance(error, torch.cuda.OutOfMemoryError):
                 raise  # not a vmap failure: the strategy backs off one replica (the step left nothing behind)
@@ -361,6 +364,22 @@ class FusedOrSequentialEngine(Engine):
     @override
     def fused_failed(self) -> bool:
         return self.active is self.sequential
+
+
+class RandomState:
+    """The default random number generators' state, taken when made: the CPU's, and ``device``'s when it is a CUDA
+    device (where ``vmap`` and the layers draw)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        """Puts the generators back where they were."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
 
 
 class FastestEngine(Engine):
