@@ -564,7 +564,7 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
     """One batch whose tensors are the ``k`` batches' tensors stacked on a new dim 0, and vmap's ``in_dims``.
 
     ``None`` when the batches differ in structure, in a tensor's shape, dtype or device, or in a
-    non-tensor value: such a group cannot be stacked.
+    non-tensor value (:func:`_same_value`): such a group cannot be stacked.
     """
     leaves, spec = tree_flatten(batches[0])
     columns = [[leaf] for leaf in leaves]
@@ -582,12 +582,24 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
                     and leaf.device == first.device
                 ):
                     return None
-            elif isinstance(leaf, Tensor) or (leaf is not first and leaf != first):
+            elif isinstance(leaf, Tensor) or not _same_value(leaf, first):
                 return None
             column.append(leaf)
     stacked = [torch.stack(column) if isinstance(column[0], Tensor) else column[0] for column in columns]
     in_dims = [0 if isinstance(column[0], Tensor) else None for column in columns]
     return tree_unflatten(stacked, spec), tree_unflatten(in_dims, spec)
+
+
+def _same_value(value: Any, other: Any) -> bool:
+    """Whether two non-tensor fields of the replicas' batches are one value, which every replica may share. A value
+    whose comparison is not a plain truth value (a dataclass holding tensors, a numpy array) counts as differing:
+    its group runs sequentially."""
+    if value is other:
+        return True
+    try:
+        return bool(value == other)
+    except (RuntimeError, ValueError, TypeError):
+        return False
 
 
 def _merge_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:

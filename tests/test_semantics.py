@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -115,6 +116,41 @@ def test_a_datamodules_batch_transfer_hooks_see_one_batch_at_a_time() -> None:
     data = _HookedData()
     trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=2).fit(Classifier(), datamodule=data)
     assert data.seen == ([("before", (8, 6))] * 2 + [("after", (8, 6))] * 2) * 2
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A batch as a dataclass, which Lightning moves to the device and which PyTorch's tree utilities do not open."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def _collate_to_dataclass(samples: list[Any]) -> _Batch:
+    return _Batch(*torch.utils.data.default_collate(samples))
+
+
+class _DataclassBatches(Classifier):
+    def training_step(self, batch: _Batch, batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self(batch.x), batch.y)
+
+
+def test_a_dataclass_batch_runs_each_group_sequentially_under_the_fused_engine_without_a_fallback() -> None:
+    """The fused engine cannot stack a batch it cannot open, nor compare it as one value: those groups run through
+    the sequential engine, step by step, and engine="auto" does not blame the training_step."""
+    results = {}
+    for engine in ("fused", "auto", "sequential"):
+        model = _DataclassBatches()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine)).fit(
+                model, DataLoader(make_data(), batch_size=8, collate_fn=_collate_to_dataclass)
+            )
+        assert not [w for w in record if "Falling back" in str(w.message)]
+        results[engine] = [p.detach() for p in model.parameters()]
+    for engine in ("fused", "auto"):
+        for a, b in zip(results[engine], results["sequential"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 class _DictBatches(Classifier):
