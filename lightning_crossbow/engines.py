@@ -47,8 +47,39 @@ ENGINES = ("auto", "fused", "sequential", "streams")
 
 
 class NotFusableError(RuntimeError):
-    """The user's ``training_step`` cannot run under ``vmap``: it returned a dict with non-tensor values, or it
-    updates a torchmetrics metric, whose state cannot hold per-replica values."""
+    """The user's ``training_step`` cannot run under ``vmap``: it returned a dict with non-tensor values, it
+    updates a torchmetrics metric, whose state cannot hold per-replica values, or the module has a layer whose
+    ``vmap`` rule computes other values (:func:`layer_vmap_gets_wrong`)."""
+
+
+def layer_changing_its_weight(module: nn.Module) -> Optional[str]:
+    """The first layer of ``module`` that changes its weight in place during the forward, said as an error's
+    reason; None when none. ``nn.Embedding(max_norm=...)`` and ``nn.EmbeddingBag(max_norm=...)`` renormalise
+    the rows they look up."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None:
+            return (
+                f"{name} ({type(layer).__name__}) has max_norm={layer.max_norm}, which renormalises the weight's rows"
+                " in place during the forward"
+            )
+    return None
+
+
+def layer_vmap_gets_wrong(module: nn.Module) -> Optional[str]:
+    """Why ``vmap`` cannot run ``module`` as the replicas need, for the first layer that it gets wrong; None when
+    none. ``nn.Embedding(padding_idx=...)``: with each replica's own indices, PyTorch's batching rule keeps the
+    padding row's gradient at zero for the first replica only, so the others would train it. ``sparse=True``
+    (``nn.Embedding``, ``nn.EmbeddingBag``): sparse gradients cannot be batched, and the error comes only in the
+    backward, after the fused step has run. Functional calls (``F.embedding``) are not seen here."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse:
+            return f"{name} ({type(layer).__name__}) has sparse=True, whose sparse gradients vmap cannot batch"
+        if isinstance(layer, nn.Embedding) and layer.padding_idx is not None:
+            return (
+                f"{name} (Embedding) has padding_idx={layer.padding_idx}: under vmap PyTorch trains the padding"
+                " row of every replica but the first"
+            )
+    return None
 
 
 @dataclass
@@ -121,9 +152,14 @@ class Engine(ABC):
 
 
 class SequentialEngine(Engine):
-    """One ``training_step`` call per replica, in a loop. Runs anything plain Lightning runs."""
+    """One ``training_step`` call per replica, in a loop. Runs anything plain Lightning runs, except, with several
+    replicas, a layer that changes its weight in place during the forward (:func:`layer_changing_its_weight`)."""
 
     name = "sequential"
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self._weight_changer: Optional[str] = None  # (found at the first step with several replicas; "" for none)
 
     @override
     def run(
@@ -155,6 +191,16 @@ class SequentialEngine(Engine):
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> list[Any]:
         """What every replica's ``training_step`` returned, in replica order."""
+        if stack.num_replicas > 1:
+            if self._weight_changer is None:
+                self._weight_changer = layer_changing_its_weight(self.module) or ""
+            if self._weight_changer:
+                raise RuntimeError(
+                    f"crossbow: {self._weight_changer}. With several replicas their weights are views of one"
+                    " storage, which autograd does not let one replica's forward change while another's step holds"
+                    " it, so the sequential engine cannot run it. engine='fused' (or 'auto') runs such a layer"
+                    " where every group of batches can be stacked: batches of one size (drop_last=True)."
+                )
         outputs = []
         for index, ((params, buffers), batch) in enumerate(zip(stack.unbind(), batches, strict=True)):
             with self._replica_context(index), capture.recording(self.module) as calls:
@@ -253,6 +299,7 @@ class FusedEngine(Engine):
         self.sequential = SequentialEngine(module)  #: for groups whose batches cannot be stacked
         self._autocast_warned = False
         self._fused_layers: Optional[list[nn.Module]] = None  #: the layers run fused (found at the first step)
+        self._wrong_layer: Optional[str] = None  #: why vmap gets a layer wrong ("" for none; found at the first step)
 
     def _warn_if_autocast(self, device: torch.device) -> None:
         """Mixed precision under vmap is partial: say so once."""
@@ -270,6 +317,10 @@ class FusedEngine(Engine):
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> ReplicaStepOutput:
+        if self._wrong_layer is None:
+            self._wrong_layer = layer_vmap_gets_wrong(self.module) or ""
+        if self._wrong_layer:
+            raise NotFusableError(f"{self._wrong_layer}; use engine='auto' or 'sequential'")
         stacked = _stack_batches(batches)
         if stacked is None:
             return self.sequential.run(stack, batches, args, capture)

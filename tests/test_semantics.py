@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from typing import Any
 
@@ -18,8 +19,15 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.data import ReplicaBatchLoader
-from lightning_crossbow.engines import FusedEngine, SequentialEngine
-from tests.helpers import Classifier, ReplicaSnapshot, loader, make_data, trainer
+from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialEngine
+from tests.helpers import (
+    Classifier,
+    ReplicaSnapshot,
+    assert_one_replica_is_plain_lightning,
+    loader,
+    make_data,
+    trainer,
+)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -689,3 +697,73 @@ def test_one_process_launches_nothing_and_leaves_the_environment_alone(monkeypat
     t.fit(Classifier(), loader(make_data()))
     assert t.strategy.launcher is None
     assert not {"LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
+
+
+# ------------------------------------------------------------------------- layers vmap gets wrong
+class _Embedded(Classifier):
+    """A bag of token embeddings: tokens 1-19 and, at the end of every sequence, the padding token 0."""
+
+    def __init__(self, **embedding: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(20, 8, **embedding)
+        self.net = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.embedding(x).mean(1))
+
+
+def _tokens(num_samples: int = 48) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 20, (num_samples, 5), generator=generator)
+    x[:, -1] = 0
+    return TensorDataset(x, torch.randint(0, 3, (num_samples,), generator=generator))
+
+
+@pytest.mark.parametrize(
+    ("embedding", "reason"),
+    [
+        (dict(padding_idx=0), r"embedding \(Embedding\) has padding_idx=0: under vmap PyTorch trains the padding row"),
+        (dict(sparse=True), r"embedding \(Embedding\) has sparse=True, whose sparse gradients vmap cannot batch"),
+    ],
+    ids=["padding_idx", "sparse"],
+)
+def test_a_layer_that_vmap_gets_wrong_runs_sequentially_under_auto_and_is_refused_by_fused(
+    embedding: dict[str, Any], reason: str
+) -> None:
+    results = {}
+    for engine in ("auto", "sequential"):
+        model = _Embedded(**embedding)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine=engine), max_steps=4).fit(
+                model, loader(_tokens(), batch_size=4)
+            )
+        fell_back = [str(w.message) for w in record if "Falling back" in str(w.message)]
+        assert len(fell_back) == (engine == "auto")
+        assert all(re.search(reason, message) for message in fell_back)  # the warning names the layer and why
+        results[engine] = model
+    for a, b in zip(results["auto"].parameters(), results["sequential"].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if "padding_idx" in embedding:
+        assert not results["auto"].embedding.weight[0].any()  # the padding row is not trained
+    with pytest.raises(NotFusableError, match=reason + r".*; use engine='auto' or 'sequential'"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine="fused"), max_steps=1).fit(
+            _Embedded(**embedding), loader(_tokens(), batch_size=4)
+        )
+
+
+def test_a_layer_that_changes_its_weight_in_the_forward_runs_fused_and_is_refused_by_the_sequential_engine() -> None:
+    """nn.Embedding(max_norm=...) renormalises its weight in place: one replica bitwise as plain Lightning; fused,
+    several; sequentially, several are refused with the reason and what runs it."""
+    assert_one_replica_is_plain_lightning(lambda: _Embedded(max_norm=0.5), _tokens(), epochs=1)
+    model = _Embedded(max_norm=0.5)
+    trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine="fused"), max_steps=4).fit(
+        model, loader(_tokens(), batch_size=4)
+    )
+    assert model.trainer.global_step == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"embedding \(Embedding\) has max_norm=0.5, which renormalises .*\(drop_last=True\)"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine="sequential"), max_steps=1).fit(
+            _Embedded(max_norm=0.5), loader(_tokens(), batch_size=4)
+        )
