@@ -19,7 +19,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from contextlib import nullcontext
 from datetime import timedelta
 from types import MethodType
@@ -1189,10 +1189,12 @@ class CrossbowStrategy(DDPStrategy):
         super().on_train_start()
         loaders = self.lightning_module.trainer.train_dataloader
         if not isinstance(loaders, ReplicaBatchLoader):
+            count = len(loaders) if isinstance(loaders, Sized) else "several"
             raise ValueError(
-                "crossbow trains on one training DataLoader, whose consecutive batches it groups k at a time; got"
-                f" {type(loaders).__name__} of several loaders. Combine them into one DataLoader (for example over a"
-                " ConcatDataset), or train with another strategy."
+                "crossbow trains on one training DataLoader, given as it is, whose consecutive batches it groups k at"
+                f" a time; got a {type(loaders).__name__} of {count} loader(s). Pass one DataLoader itself (not in a"
+                " list or dict); combine several into one (for example over a ConcatDataset), or train with another"
+                " strategy."
             )
 
     @override

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning as L
 import pytest
@@ -258,8 +259,16 @@ def test_no_optimizer_is_refused_before_training() -> None:
         )
 
 
-def test_several_training_loaders_are_refused_before_the_first_step() -> None:
+@pytest.mark.parametrize(
+    ("loaders", "got"),
+    [
+        ({"a": loader(make_data(num_samples=32)), "b": loader(make_data(num_samples=32))}, "a dict of 2 loader"),
+        ([loader(make_data(num_samples=32))], "a list of 1 loader"),
+    ],
+    ids=["a dict of two", "a list of one"],
+)
+def test_several_training_loaders_are_refused_before_the_first_step(loaders: Any, got: str) -> None:
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1))
-    loaders = {"a": loader(make_data(num_samples=32)), "b": loader(make_data(num_samples=32))}
-    with pytest.raises(ValueError, match="crossbow trains on one training DataLoader.*got dict of several loaders"):
+    with pytest.raises(ValueError, match=rf"crossbow trains on one training DataLoader.*got {got}.*Pass one DataLoader"):
         fit.fit(Classifier(), loaders)
+    assert fit.global_step == 0
