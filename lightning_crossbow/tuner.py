@@ -285,9 +285,10 @@ class ReplicaAutoTuner(Callback):
         # trainer.log_dir is a collective under several processes: every rank reads it.
         path = Path(self.plot) if self.plot else Path(trainer.log_dir or ".") / "replica_tuning.png"
         if trainer.is_global_zero:
-            rank_zero_info(self.summary())
+            k = trainer.strategy.replicas_per_device
+            rank_zero_info(self.summary(current=k))
             if self.plot is not False:
-                self.save_plot(path)
+                self.save_plot(path, end=(trainer.global_step, k))
 
     # ------------------------------------------------------------------------------ policy
     def _decide(self, k: int, strategy: Any) -> int:
@@ -409,11 +410,15 @@ class ReplicaAutoTuner(Callback):
 
     # ----------------------------------------------------------------------------- report
     def best(self) -> Optional[TuningRecord]:
-        """The measured window with the highest samples/s."""
+        """The measured window that scored highest on the objective: samples/s (``"throughput"``), or loss
+        decrease per second (``"progress"``)."""
+        if self.objective == "progress":
+            return max(self.history, key=lambda record: record.progress_per_sec, default=None)
         return max(self.history, key=lambda record: record.samples_per_sec, default=None)
 
-    def summary(self) -> str:
-        """Every measured window (k, samples/s, loss decrease per second) and the chosen k, as a table."""
+    def summary(self, current: Optional[int] = None) -> str:
+        """Every measured window (k, samples/s, loss decrease per second), the best one by the objective and the
+        chosen k (or, while still exploring, the ``current`` k when given), as a table."""
         lines = [
             f"crossbow ReplicaAutoTuner (objective={self.objective})",
             f"  {'window to step':>14}  {'k':>3}  {'samples/s':>10}  {'loss decrease/s':>15}",
@@ -424,12 +429,32 @@ class ReplicaAutoTuner(Callback):
         ]
         best = self.best()
         if best is not None:
-            lines.append(f"  best measured: k={best.replicas_per_device} ({best.samples_per_sec:.1f} samples/s)")
-        lines.append(f"  chosen: k={self.chosen}" if self.chosen is not None else "  still exploring")
+            score = (
+                f"{best.progress_per_sec:.4g} loss decrease/s"
+                if self.objective == "progress"
+                else f"{best.samples_per_sec:.1f} samples/s"
+            )
+            lines.append(f"  best measured: k={best.replicas_per_device} ({score})")
+        if self.chosen is not None:
+            lines.append(f"  chosen: k={self.chosen}")
+        else:
+            lines.append("  still exploring" + (f", at k={current}" if current is not None else ""))
         return "\n".join(lines)
 
-    def save_plot(self, path: Path) -> Optional[Path]:
-        """Saves k over training steps and samples/s per k as a PNG; ``None`` without matplotlib."""
+    def k_over_time(self, end: Optional[tuple[int, int]] = None) -> tuple[list[int], list[int]]:
+        """``(steps, ks)``: from step 0, each measured window's end step and the k it measured over the steps up
+        to it, and ``end`` (``(step, k)`` where training ended) when it lies beyond the last window."""
+        steps = [0] + [record.step for record in self.history]
+        ks = [self.history[0].replicas_per_device if self.history else 0]
+        ks += [record.replicas_per_device for record in self.history]
+        if end is not None and end[0] > steps[-1]:
+            steps.append(end[0])
+            ks.append(end[1])
+        return steps, ks
+
+    def save_plot(self, path: Path, end: Optional[tuple[int, int]] = None) -> Optional[Path]:
+        """Saves k over training steps (each window's k over the steps it measured, from step 0; ``end``:
+        ``(step, k)`` where training ended) and samples/s per k as a PNG; ``None`` without matplotlib."""
         try:
             import matplotlib
 
@@ -438,8 +463,7 @@ class ReplicaAutoTuner(Callback):
         except ImportError:
             return None
         figure, (over_time, per_k) = plt.subplots(1, 2, figsize=(10, 3.5))
-        steps = [r.step for r in self.history]
-        over_time.step(steps, [r.replicas_per_device for r in self.history], where="post", marker="o")
+        over_time.step(*self.k_over_time(end), where="pre", marker="o")  # (each point's k holds up to its step)
         over_time.set(xlabel="training step", ylabel="replicas per device (k)", title="k over time")
         per_k.plot([r.replicas_per_device for r in self.history], [r.samples_per_sec for r in self.history], "o")
         per_k.set(xlabel="replicas per device (k)", ylabel="samples/s", title="measured throughput")

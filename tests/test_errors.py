@@ -269,6 +269,8 @@ def test_no_optimizer_is_refused_before_training() -> None:
 )
 def test_several_training_loaders_are_refused_before_the_first_step(loaders: Any, got: str) -> None:
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1))
-    with pytest.raises(ValueError, match=rf"crossbow trains on one training DataLoader.*got {got}.*Pass one DataLoader"):
+    with pytest.raises(
+        ValueError, match=rf"crossbow trains on one training DataLoader.*got {got}.*Pass one DataLoader"
+    ):
         fit.fit(Classifier(), loaders)
     assert fit.global_step == 0

@@ -249,7 +249,10 @@ class _StepSpread(Classifier):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.make_scheduler(optimizer), "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.make_scheduler(optimizer), "interval": "step"},
+        }
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -763,7 +766,9 @@ def test_a_layer_that_changes_its_weight_in_the_forward_runs_fused_and_is_refuse
     )
     assert model.trainer.global_step == 4
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    with pytest.raises(RuntimeError, match=r"embedding \(Embedding\) has max_norm=0.5, which renormalises .*\(drop_last=True\)"):
+    with pytest.raises(
+        RuntimeError, match=r"embedding \(Embedding\) has max_norm=0.5, which renormalises .*\(drop_last=True\)"
+    ):
         trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine="sequential"), max_steps=1).fit(
             _Embedded(max_norm=0.5), loader(_tokens(), batch_size=4)
         )

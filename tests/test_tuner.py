@@ -153,6 +153,30 @@ def test_tuner_settles_on_the_k_crossbows_rule_picks(tmp_path, climb: str, windo
     assert (tmp_path / "replica_tuning.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_tuner_still_exploring_says_at_which_k_and_draws_k_up_to_the_end(tmp_path) -> None:
+    tuner, fit = tuned_fit(tmp_path, max_steps=13)  # windows of 4 steps after 1 of warm-up: 2 windows, then 3 steps
+    k = fit.strategy.replicas_per_device
+    assert tuner.chosen is None and len(tuner.history) == 2
+    assert k == 3 and [r.replicas_per_device for r in tuner.history] == [1, 2]
+    assert tuner.summary(current=k).endswith("still exploring, at k=3")
+    steps, ks = tuner.k_over_time(end=(fit.global_step, k))
+    assert steps == [0, tuner.history[0].step, tuner.history[1].step, 13]
+    assert ks == [1, 1, 2, 3]  # drawn "pre": the k of each point holds over the steps up to it
+    assert (tmp_path / "replica_tuning.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_best_window_is_the_best_by_the_objective() -> None:
+    tuner = ReplicaAutoTuner(objective="progress", plot=False)
+    tuner.history = [
+        TuningRecord(step=5, replicas_per_device=1, samples_per_sec=100.0, progress_per_sec=0.5),
+        TuningRecord(step=10, replicas_per_device=2, samples_per_sec=180.0, progress_per_sec=0.4),
+    ]
+    assert tuner.best().replicas_per_device == 1
+    assert "best measured: k=1 (0.5 loss decrease/s)" in tuner.summary()
+    tuner.objective = "throughput"
+    assert tuner.best().replicas_per_device == 2
+
+
 def search(
     climb: str,
     rate: Callable[[int], float],
