@@ -11,13 +11,29 @@ from omegaconf import DictConfig
 
 COLUMNS = ("overrides", "replicas_per_device", "batch_size", "epochs", "test_acc", "wall_s", "samples_per_sec")
 
+#: How a column's numbers are written (the others as they are).
+FORMATS = {"test_acc": "{:.4f}", "wall_s": "{:.2f}", "samples_per_sec": "{:.1f}"}
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if column == "overrides":
+        return " ".join(value)
+    return FORMATS[column].format(value) if column in FORMATS and isinstance(value, (int, float)) else str(value)
+
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
-        cells = [" ".join(row.get("overrides", [])) if c == "overrides" else row.get(c) for c in COLUMNS]
-        lines.append("| " + " | ".join("" if c is None else f"{c:.4f}" if isinstance(c, float) and c < 1 else str(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(_cell(column, row.get(column)) for column in COLUMNS) + " |")
     return "\n".join(lines)
+
+
+def _job_number(result: Path) -> tuple[int, str]:
+    """A sweep's job folders (``0``, ``1``, ..., ``10``) in the order Hydra numbered them."""
+    name = result.parent.name
+    return (int(name), name) if name.isdigit() else (-1, name)
 
 
 class ResultsTable(Callback):
@@ -25,7 +41,7 @@ class ResultsTable(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/result.json"))]
+        rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/result.json"), key=_job_number)]
         if not rows:
             return
         table = markdown_table(rows)

@@ -5,6 +5,11 @@ python examples/train.py strategy.replicas_per_device=8 data.batch_size=16 train
 python examples/train.py strategy=single                   # plain Lightning baseline
 python examples/train.py -m strategy.replicas_per_device=1,2,4,8   # a sweep, results in one table
 python examples/train.py --cfg job                         # print the composed config
+python examples/train.py '~logger' callbacks.lr_monitor=null   # no logger (LearningRateMonitor needs one)
+
+Every run writes into its Hydra output folder (outputs/<date>/<time>/, or multirun/...): result.json, the
+logs, checkpoints and the tuner's plot. The RESULT line's wall_s is fit's wall time, set-up, validation and
+checkpoints included, and samples_per_sec the training samples over it (end to end, not the step rate).
 """
 
 from __future__ import annotations
@@ -19,11 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `examples` 
 
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
+import torch  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
-
-import torch  # noqa: E402
 
 import lightning_crossbow  # noqa: E402,F401  (registers strategy="crossbow")
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
@@ -49,8 +53,19 @@ def build(cfg: DictConfig) -> tuple[L.Trainer, L.LightningModule, L.LightningDat
     strategy: Any = instantiate(cfg.strategy) if "_target_" in cfg.strategy else cfg.strategy.name
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer = L.Trainer(**cfg.trainer, strategy=strategy, callbacks=[*callbacks, SamplesTrained()], logger=logger)
+    root = {"default_root_dir": run_dir()} if "default_root_dir" not in cfg.trainer and run_dir() else {}
+    trainer = L.Trainer(
+        **cfg.trainer, **root, strategy=strategy, callbacks=[*callbacks, SamplesTrained()], logger=logger
+    )
     return trainer, model, datamodule
+
+
+def run_dir() -> str | None:
+    """This Hydra run's output folder (None outside a Hydra run): without a logger, checkpoints and the tuner's plot
+    go there too, not into the current folder."""
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.get("output_dir")
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

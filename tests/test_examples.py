@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, InstantiationException
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -103,3 +105,16 @@ def test_drop_in_script_and_lightning_cli(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "crossbow ReplicaAutoTuner (objective=throughput)" in result.stderr  # the CLI built crossbow, k tuned
+
+
+def test_the_sweep_table_orders_jobs_as_hydra_numbered_them_and_formats_each_column(tmp_path) -> None:
+    from examples.results import ResultsTable
+
+    for job in (0, 1, 2, 10):
+        (tmp_path / str(job)).mkdir()
+        result = {"overrides": [f"job={job}"], "test_acc": 0.9, "wall_s": 0.79 + job, "samples_per_sec": 1234.56}
+        (tmp_path / str(job) / "result.json").write_text(json.dumps(result))
+    ResultsTable().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    rows = (tmp_path / "results.md").read_text().splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == ["| job=0", "| job=1", "| job=2", "| job=10"]
+    assert rows[0].endswith("| 0.9000 | 0.79 | 1234.6 |") and rows[3].endswith("| 0.9000 | 10.79 | 1234.6 |")
