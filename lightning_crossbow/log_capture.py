@@ -95,7 +95,8 @@ class LogCapture:
 
 
 def _mean_over_replicas(logged: _Logged) -> Any:
-    """Mean over replicas of tensors (stacked or per replica) and numbers; a Metric object passes through."""
+    """Mean over replicas of tensors (stacked or per replica) and numbers; a Metric object passes through, its step
+    value the replicas' mean (:func:`_with_mean_step_value`)."""
     others = [v for v in logged.per_replica if not isinstance(v, Tensor)]
     if others and isinstance(others[0], Metric):
         return _with_mean_step_value(others[0], logged.step_values)
