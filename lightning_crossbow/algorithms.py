@@ -436,9 +436,10 @@ class Gossip(Averaging):
     never all-reduces. Across processes z is therefore only formed (one all-reduce) at every epoch's end, at
     logging steps (for the logged spread of the learners) and when read (validation, checkpoints, test,
     predict); on one process, after every step, where it costs no collective: ``center_is_learner_mean``.
-    With ``K = 1`` a learner has no peer and trains alone. A learner left out of the step (diverged, or its ``training_step`` skipped) takes its peer's
-    weights, and no learner mixes in a peer whose weights are not finite (as a diverged step leaves them). A
-    learner that skipped keeps its pre-step weights, finite, so its peer mixes them in as they are. A diverged
+    With ``K = 1`` a learner has no peer and trains alone. A learner left out of the step (diverged, or its
+    ``training_step`` skipped) takes its peer's weights, and no learner mixes in a peer whose weights are not
+    finite (as a diverged step leaves them). A learner that skipped keeps its pre-step weights, finite, so its
+    peer mixes them in as they are. A diverged
     learner whose peer diverged too (or that has none) restarts from the mean of this process's finite learners,
     or from z as last formed where none is (:func:`restart_stranded_`).
     """
