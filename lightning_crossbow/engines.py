@@ -57,12 +57,17 @@ def layer_changing_its_weight(module: nn.Module) -> Optional[str]:
     reason; None when none. ``nn.Embedding(max_norm=...)`` and ``nn.EmbeddingBag(max_norm=...)`` renormalise
     the rows they look up."""
     for name, layer in module.named_modules():
-        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None:
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None and _trained(layer):
             return (
                 f"{name} ({type(layer).__name__}) has max_norm={layer.max_norm}, which renormalises the weight's rows"
                 " in place during the forward"
             )
     return None
+
+
+def _trained(layer: nn.Module) -> bool:
+    """Whether the layer's weight is trained (so replicated per replica, with a gradient); a frozen one is not."""
+    return bool(layer.weight.requires_grad)
 
 
 def layer_vmap_gets_wrong(module: nn.Module) -> Optional[str]:
@@ -72,7 +77,9 @@ def layer_vmap_gets_wrong(module: nn.Module) -> Optional[str]:
     (``nn.Embedding``, ``nn.EmbeddingBag``): sparse gradients cannot be batched, and the error comes only in the
     backward, after the fused step has run. Functional calls (``F.embedding``) are not seen here."""
     for name, layer in module.named_modules():
-        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse:
+        if not isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) or not _trained(layer):
+            continue  # (a frozen embedding has no gradient to get wrong)
+        if layer.sparse:
             return f"{name} ({type(layer).__name__}) has sparse=True, whose sparse gradients vmap cannot batch"
         if isinstance(layer, nn.Embedding) and layer.padding_idx is not None:
             return (
@@ -117,13 +124,23 @@ class Engine(ABC):
         self._reparametrizer: Optional[Reparametrizer] = None  # for the stack's names, made at the first step
 
     def _training_step(
-        self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Any, args: Sequence[Any]
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        batch: Any,
+        args: Sequence[Any],
+        replaced: Optional[dict[str, Tensor]] = None,
     ) -> Any:
-        """``module.training_step(batch, *args)`` run with ``params`` and ``buffers`` in place of the module's own."""
+        """``module.training_step(batch, *args)`` run with ``params`` and ``buffers`` in place of the module's own;
+        the buffers it replaced with other tensors (not in place) go into ``replaced``, by name."""
         if self._reparametrizer is None:
             self._reparametrizer = Reparametrizer(self.module, [*params, *buffers])
-        with self._reparametrizer({**params, **buffers}):
-            return self.module.training_step(batch, *args)
+        tensors = {**params, **buffers}
+        with self._reparametrizer(tensors):
+            output = self.module.training_step(batch, *args)
+        if replaced is not None:
+            replaced.update({name: tensors[name] for name in buffers if tensors[name] is not buffers[name]})
+        return output
 
     @abstractmethod
     def run(
@@ -160,12 +177,18 @@ class SequentialEngine(Engine):
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
         self._weight_changer: Optional[str] = None  # (found at the first step with several replicas; "" for none)
+        #: Per replica of the last step: its buffers, and those its training_step replaced (not in place).
+        self._replaced: list[tuple[Mapping[str, Tensor], dict[str, Tensor]]] = []
 
     @override
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> ReplicaStepOutput:
         outputs = self._replica_outputs(stack, batches, args, capture)
+        names = {name for _, replaced in self._replaced for name in replaced}
+        if names:  # (after every replica's stream is done)
+            keep_replaced_buffers(stack, {name: [r.get(name, b[name]) for b, r in self._replaced] for name in names})
+        self._replaced = []
         losses: list[Tensor] = []
         extras: list[dict[str, Any]] = []
         returned_dict = False
@@ -202,10 +225,13 @@ class SequentialEngine(Engine):
                     " where every group of batches can be stacked: batches of one size (drop_last=True)."
                 )
         outputs = []
+        self._replaced = []
         for index, ((params, buffers), batch) in enumerate(zip(stack.unbind(), batches, strict=True)):
+            replaced: dict[str, Tensor] = {}
             with self._replica_context(index), capture.recording(self.module) as calls:
-                outputs.append(self._training_step(params, buffers, batch, args))
+                outputs.append(self._training_step(params, buffers, batch, args, replaced))
             capture.add(calls)
+            self._replaced.append((buffers, replaced))
         return outputs
 
     def _replica_context(self, index: int) -> ContextManager[Any]:
@@ -332,25 +358,27 @@ class FusedEngine(Engine):
         skipped_all = [False]
 
         def one_replica(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Any:
+            replaced: dict[str, Tensor] = {}
             with capture.recording(self.module) as calls:
-                output = self._training_step(params, buffers, batch, args)
+                output = self._training_step(params, buffers, batch, args, replaced)
             recorded[:] = calls
             loss, extra, returned_dict[0] = _split_output(output)
             logged = [c.value for c in calls if isinstance(c.value, Tensor)]
             if loss is None:  # one control flow for every replica under vmap: all of them skip
                 skipped_all[0] = True
-                return torch.zeros((), device=device), {}, logged
+                return torch.zeros((), device=device), {}, logged, replaced
             if not all(isinstance(v, Tensor) for v in extra.values()):
                 raise NotFusableError("training_step returned a dict with non-tensor values")
-            return loss, extra, logged
+            return loss, extra, logged, replaced
 
         if self._fused_layers is None:
             self._fused_layers = fusable_layers(self.module, device)
         with fused_layers(self._fused_layers, losses=fuses_on(device)):
-            losses, extras, logged = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
+            losses, extras, logged, replaced = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
                 stack.params, stack.buffers, batch
             )
         capture.add_stacked(recorded, logged)
+        keep_replaced_buffers(stack, replaced)
         if skipped_all[0]:
             k = stack.num_replicas
             every = torch.ones(k, dtype=torch.bool, device=device)
@@ -415,6 +443,16 @@ class FusedOrSequentialEngine(Engine):
     @override
     def fused_failed(self) -> bool:
         return self.active is self.sequential
+
+
+def keep_replaced_buffers(stack: ReplicaStack, replaced: Mapping[str, Any]) -> None:
+    """The buffers that the replicas' ``training_step`` replaced (``self.mean = ...``), kept: each named stack
+    becomes a new tensor of the replicas' new values (``(k, ...)``, or one value per replica). The stack it
+    replaces is left as it was, as plain Lightning leaves the replaced tensor: autograd may hold it."""
+    for name, values in replaced.items():
+        old = stack.buffers[name]
+        rows = torch.stack(list(values)) if isinstance(values, (list, tuple)) else values
+        stack.buffers[name] = rows.detach().to(old.dtype).reshape(old.shape).clone()
 
 
 class RandomState:

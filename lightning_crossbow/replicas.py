@@ -177,12 +177,17 @@ class ReplicaStack:
             else:
                 bucket.replicas[rows] = bucket.center
         if buffers:
-            for name, stack in self.buffers.items():
-                center = module.get_buffer(name)
-                if rows is None:
-                    stack.copy_(center.expand_as(stack))
-                else:
-                    stack[rows] = center
+            self.reset_buffers_(module, rows)
+
+    @torch.no_grad()
+    def reset_buffers_(self, module: nn.Module, rows: Optional[Tensor] = None) -> None:
+        """Sets the buffers of replicas ``rows`` (a bool mask; all when None) to z's (``module``'s own)."""
+        for name, stack in self.buffers.items():
+            center = module.get_buffer(name)
+            if rows is None:
+                stack.copy_(center.expand_as(stack))
+            else:
+                stack[rows] = center
 
     @torch.no_grad()
     def sync_center_buffers_(self, module: nn.Module, all_reduce_mean: Optional[BufferReducer] = None) -> None:

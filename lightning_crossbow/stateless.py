@@ -11,10 +11,9 @@ is replaced under every one of them, and the originals are back when the block e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 
-import torch
 from torch import Tensor, nn
 
 #: Where a tensor lives: the submodule, whether it is a parameter (else a buffer), and its attribute name.
@@ -56,12 +55,13 @@ class Reparametrizer:
             self.slots[name] = aliases.get(id(tensor), [slot])
 
     @contextmanager
-    def __call__(self, tensors: Mapping[str, Tensor]) -> Iterator[None]:
+    def __call__(self, tensors: MutableMapping[str, Tensor]) -> Iterator[None]:
         """Within the block, ``tensors[name]`` stands in every slot of ``name``; the originals are restored after.
 
-        A buffer that the block replaced (``self.mean = 0.9 * self.mean + ...``, where ``functional_call`` would
-        put the new tensor in its dict) is copied into ``tensors[name]`` when the block ends without an error, so
-        the caller's tensor holds the update, as it does after an in-place one (``add_``)."""
+        A buffer that the block replaced with another tensor (``self.mean = 0.9 * self.mean + ...``, not in place)
+        is put in ``tensors[name]`` when the block ends without an error, as ``functional_call`` puts it in its
+        dict; the tensor it replaced is left as it was (autograd may hold it). A buffer set to a non-tensor (None)
+        is not; one replaced with another shape is refused."""
         originals: list[tuple[dict[str, Tensor], str, Tensor]] = []
         try:
             for name, tensor in tensors.items():
@@ -70,27 +70,28 @@ class Reparametrizer:
                     originals.append((held, attribute, held[attribute]))  # type: ignore[arg-type]
                     held[attribute] = tensor  # type: ignore[assignment]
             yield
-            self._keep_replaced_buffers(tensors)
+            tensors.update(self._replaced_buffers(tensors))
         finally:
             for held, attribute, original in reversed(originals):
                 held[attribute] = original
 
-    def _keep_replaced_buffers(self, tensors: Mapping[str, Tensor]) -> None:
-        """Copies into ``tensors[name]`` the value of every buffer slot that no longer holds it."""
+    def _replaced_buffers(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The tensors now in the buffer slots that no longer hold ``tensors[name]``, by name."""
+        replaced: dict[str, Tensor] = {}
         for name, tensor in tensors.items():
             for owner, is_param, attribute in self.slots[name]:
-                current = owner._buffers.get(attribute) if not is_param else tensor
-                if current is tensor:
+                current = None if is_param else owner._buffers.get(attribute)
+                if is_param or current is tensor or not isinstance(current, Tensor):
                     continue
-                if not isinstance(current, Tensor) or current.shape != tensor.shape:
-                    got = f"shape {tuple(current.shape)}" if isinstance(current, Tensor) else repr(current)
+                if current.shape != tensor.shape:
                     raise RuntimeError(
-                        f"the buffer {name!r} was replaced with {got}; a buffer replaced during the step must keep"
-                        f" its shape {tuple(tensor.shape)}, as each replica holds its own copy of it."
+                        f"the buffer {name!r} was replaced with shape {tuple(current.shape)}; a buffer replaced"
+                        f" during the step must keep its shape {tuple(tensor.shape)}, as each replica holds its own"
+                        " copy of it."
                     )
-                with torch.no_grad():
-                    tensor.copy_(current.detach())
+                replaced[name] = current
                 break
+        return replaced
 
 
 def _slot(module: nn.Module, name: str) -> Slot:

@@ -857,7 +857,11 @@ class CrossbowStrategy(DDPStrategy):
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
         if skipped is not None and self.world_size == 1 and diverged is None and bool(skipped.all()):
-            self._measure_throughput()  # every learner skipped: nothing moves (not z, nor its momentum)
+            # Every learner skipped: nothing moves (not z, nor its momentum), but the forwards moved the replicas'
+            # buffers (BatchNorm statistics), as plain Lightning's forward moves its own.
+            self._center_stale = True
+            self._form_center_after_step()
+            self._measure_throughput()
             return output
         window_done = False
         if self.balancer is not None:
@@ -960,6 +964,8 @@ class CrossbowStrategy(DDPStrategy):
         if diverged is not None:
             if not self.averaging.center_is_learner_mean:
                 self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
+            else:  # (gossip: the weights came from a peer, or restarted; the buffers restart from z's)
+                self.stack.reset_buffers_(self.lightning_module, diverged)
             reset_state_rows_(optimizer, diverged)
         if skipped is not None and not self.averaging.center_is_learner_mean:
             self.stack.reset_replicas_(self.lightning_module, skipped, buffers=False)
@@ -1491,7 +1497,7 @@ def _check_lightning_arguments(arguments: Mapping[str, Any]) -> None:
         raise ValueError(f"parallel_devices must be a list of torch.device or None, got {devices!r}.")
     backend = arguments["process_group_backend"]
     known = [name for name in torch.distributed.Backend.backend_list if name != "undefined"]
-    if backend is not None and not (isinstance(backend, str) and (backend in known or ":" in backend)):
+    if backend is not None and not (isinstance(backend, str) and (backend.lower() in known or ":" in backend)):
         raise ValueError(
             f"process_group_backend must be one of {', '.join(map(repr, known))} (or per device, as"
             f" 'cpu:gloo,cuda:nccl'), or None (gloo on CPU, NCCL on CUDA), got {backend!r}."

@@ -206,6 +206,8 @@ class ReplicaAutoTuner(Callback):
             strategy.set_replicas_per_device(start)  # (every rank, at the same point)
         elif k > self.max_replicas:  # (the strategy's replicas_per_device, or a resumed k, above the bound)
             strategy.set_replicas_per_device(self.max_replicas)
+            if self.chosen is not None:
+                self.chosen = self.max_replicas  # (a resumed choice: the k the run now trains at)
 
     @override
     def on_train_batch_end(

@@ -274,3 +274,8 @@ def test_several_training_loaders_are_refused_before_the_first_step(loaders: Any
     ):
         fit.fit(Classifier(), loaders)
     assert fit.global_step == 0
+
+
+def test_backend_names_are_taken_as_torch_takes_them() -> None:
+    for backend in ("gloo", "GLOO", "cpu:gloo,cuda:nccl"):
+        assert CrossbowStrategy(process_group_backend=backend).process_group_backend == backend

@@ -772,3 +772,44 @@ def test_a_layer_that_changes_its_weight_in_the_forward_runs_fused_and_is_refuse
         trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine="sequential"), max_steps=1).fit(
             _Embedded(max_norm=0.5), loader(_tokens(), batch_size=4)
         )
+
+
+def test_frozen_embeddings_are_not_refused() -> None:
+    """A frozen embedding is not replicated and has no gradient: neither its padding row nor its in-place
+    renormalisation is a concern, so fused runs padding_idx and sequential runs max_norm at k > 1."""
+    for engine, embedding in (("fused", dict(padding_idx=0)), ("sequential", dict(max_norm=0.5))):
+        model = _Embedded(**embedding)
+        model.embedding.weight.requires_grad_(False)
+        trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine=engine), max_steps=2).fit(
+            model, loader(_tokens(), batch_size=4)
+        )
+        assert model.trainer.global_step == 2
+
+
+class _SkipsLastBatch(_BatchNormNet):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 9 else loss
+
+
+def test_a_last_step_that_every_replica_skips_still_moves_z_s_buffers_as_plain_lightning() -> None:
+    buffers = {}
+    for name, strategy in {"plain": "auto", "crossbow k=1": CrossbowStrategy(replicas_per_device=1)}.items():
+        model = _SkipsLastBatch()
+        trainer(strategy=strategy, max_epochs=1).fit(model, loader(make_data()))  # 10 batches: the 10th skipped
+        buffers[name] = dict(model.named_buffers())
+    for name, value in buffers["plain"].items():
+        assert torch.equal(value, buffers["crossbow k=1"][name]), name
+
+
+def test_a_diverged_gossip_learner_restarts_its_buffers_from_z_s() -> None:
+    x, y = make_data(num_samples=64)[:]
+    x[9] = float("inf")  # batch 1: replica 1 of step 0 (k=2)
+    seen = _BuffersSeen()
+    with pytest.warns(UserWarning, match="replica 1 on rank 0 has a non-finite loss"):
+        trainer(
+            strategy=CrossbowStrategy(replicas_per_device=2, algorithm="gossip"), max_steps=4, callbacks=[seen]
+        ).fit(_BatchNormNet(), loader(TensorDataset(x, y)))
+    for z, mean in zip(seen.seen, seen.replicas_mean, strict=True):
+        assert all(torch.isfinite(value).all() for value in z.values())
+        assert all(torch.isfinite(value).all() for value in mean.values())

@@ -11,8 +11,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.nn.utils.parametrizations import weight_norm
 
+from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.stateless import Reparametrizer
-from tests.helpers import Classifier, assert_one_replica_is_plain_lightning, make_data
+from tests.helpers import Classifier, assert_one_replica_is_plain_lightning, loader, make_data, trainer
 
 
 class _Tied(nn.Module):
@@ -190,25 +191,44 @@ class _RunningMean(nn.Module):
         return self.linear(x - self.mean)
 
 
-def test_a_buffer_replaced_in_the_block_is_kept_in_the_callers_tensor_as_functional_call_keeps_it() -> None:
+def test_a_buffer_replaced_in_the_block_is_put_in_the_callers_dict_as_functional_call_puts_it() -> None:
     net, x = _RunningMean(), torch.randn(5, 4)
     expected = {name: t.clone() for name, t in net.named_buffers()}
     functional_call(net, expected, (x,))  # (puts the replaced buffers in its dict)
-    ours = {name: t.clone() for name, t in net.named_buffers()}
-    with Reparametrizer(net, ours)(ours):
-        net(x)
+    before = {name: t.clone() for name, t in net.named_buffers()}
+    ours = dict(before)
+    _run(net, ours, x)
     for name in expected:
         assert torch.equal(ours[name], expected[name]), name
-    assert int(ours["calls"]) == 1 and net.calls.item() == 0 and not net.mean.any()  # the module's own untouched
+        assert ours[name] is not before[name] and not before[name].any()  # the replaced tensor is left as it was
+    assert net.calls.item() == 0 and not net.mean.any()  # the module's own are back
     rows = {name: t.expand(3, *t.shape).clone() for name, t in net.named_buffers()}  # under vmap: each row's own
-    vmap(lambda b, xb: _run(net, b, xb))(rows, x.expand(3, 5, 4))
-    assert rows["calls"].tolist() == [1, 1, 1]
-    torch.testing.assert_close(rows["mean"][2], expected["mean"])
+
+    def replaced_rows(b: dict[str, Tensor], xb: Tensor) -> dict[str, Tensor]:
+        _run(net, b, xb)
+        return b
+
+    new_rows = vmap(replaced_rows)(rows, x.expand(3, 5, 4))
+    assert new_rows["calls"].tolist() == [1, 1, 1] and rows["calls"].tolist() == [0, 0, 0]
+    torch.testing.assert_close(new_rows["mean"][2], expected["mean"])
 
 
 def _run(net: nn.Module, tensors: dict[str, Tensor], x: Tensor) -> Tensor:
     with Reparametrizer(net, tensors)(tensors):
         return net(x)
+
+
+def test_a_buffer_set_to_none_is_not_put_in_the_dict() -> None:
+    class Drops(_RunningMean):
+        def forward(self, x: Tensor) -> Tensor:
+            self.mean = None
+            return self.linear(x)
+
+    net = Drops()
+    tensors = {name: t.clone() for name, t in net.named_buffers()}
+    before = dict(tensors)
+    _run(net, tensors, torch.randn(5, 4))
+    assert tensors["mean"] is before["mean"] and net.mean is not None
 
 
 def test_a_buffer_replaced_with_another_shape_is_refused_by_name() -> None:
@@ -224,11 +244,39 @@ def test_a_buffer_replaced_with_another_shape_is_refused_by_name() -> None:
     assert net.mean.shape == (4,)  # the module's own is back
 
 
-def test_one_replica_of_a_module_that_replaces_its_buffers_trains_as_plain_lightning() -> None:
-    class WithRunningMean(Classifier):
-        def __init__(self) -> None:
-            super().__init__()
-            self.running = _RunningMean()
-            self.net = nn.Sequential(nn.Linear(6, 4), self.running)
+class _SavedScale(nn.Module):
+    """Scales by a buffer that autograd saves for the backward, then replaces it (a running statistic)."""
 
-    assert_one_replica_is_plain_lightning(WithRunningMean, make_data())
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = x * self.scale
+        self.scale = 0.9 * self.scale + 0.1 * x.detach().abs().mean(0)
+        return out
+
+
+class _Replacing(Classifier):
+    def __init__(self, layer: type[nn.Module]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        head = [] if layer is _RunningMean else [nn.Linear(4, 3)]  # (_RunningMean ends in 3 classes itself)
+        self.net = nn.Sequential(nn.Linear(6, 4), layer(), *head)
+
+
+@pytest.mark.parametrize("layer", [_RunningMean, _SavedScale], ids=["running mean", "saved for the backward"])
+def test_a_module_that_replaces_its_buffers_trains_as_plain_lightning_and_alike_fused(layer: type[nn.Module]) -> None:
+    """k=1 bitwise plain Lightning; k=2 fused as sequential. The replaced tensor is left as it was, so a backward
+    that saved it runs (writing the new value into it would fail there)."""
+    assert_one_replica_is_plain_lightning(lambda: _Replacing(layer), make_data())
+    models = {}
+    for engine in ("fused", "sequential"):
+        models[engine] = _Replacing(layer)
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_epochs=1).fit(
+            models[engine], loader(make_data())
+        )
+    fused, sequential = (dict(models[e].named_buffers()) for e in ("fused", "sequential"))
+    for name in sequential:
+        torch.testing.assert_close(fused[name], sequential[name])
+    assert any(not torch.equal(t, _Replacing(layer).get_buffer(n)) for n, t in sequential.items())  # (they moved)

@@ -366,6 +366,15 @@ def test_no_window_is_measured_above_max_replicas(tmp_path, objective: str) -> N
     assert measured and max(measured) <= 2
 
 
+def test_a_resumed_choice_above_max_replicas_becomes_max_replicas(tmp_path) -> None:
+    tuner, fit = tuned_fit(tmp_path, max_steps=70)
+    assert tuner.chosen == 4
+    fit.save_checkpoint(tmp_path / "tuned.ckpt")
+    resumed, fit = tuned_fit(tmp_path, max_steps=80, ckpt_path=tmp_path / "tuned.ckpt", max_replicas=2)
+    assert resumed.chosen == fit.strategy.replicas_per_device == 2
+    assert resumed.summary().endswith("chosen: k=2")
+
+
 def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
     tuner, fit = tuned_fit(tmp_path, max_steps=70)
     fit.save_checkpoint(tmp_path / "tuned.ckpt")
