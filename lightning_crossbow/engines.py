@@ -135,11 +135,10 @@ class Engine(ABC):
         the buffers it replaced with other tensors (not in place) go into ``replaced``, by name."""
         if self._reparametrizer is None:
             self._reparametrizer = Reparametrizer(self.module, [*params, *buffers])
-        tensors = {**params, **buffers}
-        with self._reparametrizer(tensors):
+        with self._reparametrizer({**params, **buffers}) as replaced_here:
             output = self.module.training_step(batch, *args)
         if replaced is not None:
-            replaced.update({name: tensors[name] for name in buffers if tensors[name] is not buffers[name]})
+            replaced.update(replaced_here)
         return output
 
     @abstractmethod

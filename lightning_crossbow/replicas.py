@@ -195,18 +195,18 @@ class ReplicaStack:
         dtype flattened together, and across processes one ``all_reduce_mean`` of it); integer buffers take
         replica 0's."""
         floating: dict[torch.dtype, list[str]] = {}
+        integers: list[str] = []
         for name, stack in self.buffers.items():
-            if stack.is_floating_point():
-                floating.setdefault(stack.dtype, []).append(name)
-            else:
-                module.get_buffer(name).copy_(stack[0])
+            (floating.setdefault(stack.dtype, []) if stack.is_floating_point() else integers).append(name)
+        if integers:
+            torch._foreach_copy_([module.get_buffer(n) for n in integers], [self.buffers[n][0] for n in integers])
         for names in floating.values():
             means = torch.cat([rows_of(self.buffers[name]) for name in names], dim=1).mean(0)
             if all_reduce_mean is not None:
                 means = all_reduce_mean(means)
             targets = [module.get_buffer(name) for name in names]
-            for target, mean in zip(targets, means.split([t.numel() for t in targets]), strict=True):
-                target.copy_(mean.view_as(target))
+            parts = means.split([target.numel() for target in targets])
+            torch._foreach_copy_(targets, [part.view_as(target) for part, target in zip(parts, targets, strict=True)])
 
     @torch.no_grad()
     def resize_(self, num_replicas: int) -> None:

@@ -53,15 +53,22 @@ class Reparametrizer:
                 )
             given[id(tensor)] = name
             self.slots[name] = aliases.get(id(tensor), [slot])
+        #: Per buffer name, the slots that hold it as a buffer: where a replacement can show (no parameter's).
+        self.buffer_slots = {
+            name: [(owner, attribute) for owner, is_param, attribute in slots if not is_param]
+            for name, slots in self.slots.items()
+            if not all(is_param for _, is_param, _ in slots)
+        }
 
     @contextmanager
-    def __call__(self, tensors: MutableMapping[str, Tensor]) -> Iterator[None]:
+    def __call__(self, tensors: MutableMapping[str, Tensor]) -> Iterator[dict[str, Tensor]]:
         """Within the block, ``tensors[name]`` stands in every slot of ``name``; the originals are restored after.
 
         A buffer that the block replaced with another tensor (``self.mean = 0.9 * self.mean + ...``, not in place)
         is put in ``tensors[name]`` when the block ends without an error, as ``functional_call`` puts it in its
-        dict; the tensor it replaced is left as it was (autograd may hold it). A buffer set to a non-tensor (None)
-        is not; one replaced with another shape is refused."""
+        dict, and in the dict the block was given (``with reparametrizer(tensors) as replaced``), which holds
+        nothing else; the tensor it replaced is left as it was (autograd may hold it). A buffer set to a non-tensor
+        (None) is not; one replaced with another shape is refused."""
         originals: list[tuple[dict[str, Tensor], str, Tensor]] = []
         try:
             for name, tensor in tensors.items():
@@ -69,8 +76,10 @@ class Reparametrizer:
                     held = owner._parameters if is_param else owner._buffers
                     originals.append((held, attribute, held[attribute]))  # type: ignore[arg-type]
                     held[attribute] = tensor  # type: ignore[assignment]
-            yield
-            tensors.update(self._replaced_buffers(tensors))
+            replaced: dict[str, Tensor] = {}
+            yield replaced
+            replaced.update(self._replaced_buffers(tensors))
+            tensors.update(replaced)
         finally:
             for held, attribute, original in reversed(originals):
                 held[attribute] = original
@@ -78,10 +87,11 @@ class Reparametrizer:
     def _replaced_buffers(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The tensors now in the buffer slots that no longer hold ``tensors[name]``, by name."""
         replaced: dict[str, Tensor] = {}
-        for name, tensor in tensors.items():
-            for owner, is_param, attribute in self.slots[name]:
-                current = None if is_param else owner._buffers.get(attribute)
-                if is_param or current is tensor or not isinstance(current, Tensor):
+        for name, slots in self.buffer_slots.items():
+            tensor = tensors.get(name)
+            for owner, attribute in slots if tensor is not None else ():
+                current = owner._buffers.get(attribute)
+                if current is tensor or not isinstance(current, Tensor):
                     continue
                 if current.shape != tensor.shape:
                     raise RuntimeError(

@@ -504,7 +504,7 @@ class CrossbowStrategy(DDPStrategy):
         every count it makes from it is crossbow's from the start: the epoch's steps, ``val_check_interval``, the
         progress bar, ``estimated_stepping_batches``. After a change of k, :meth:`_fit_epoch_length` counts from
         the fraction."""
-        fraction = self._train_fraction if self._train_fraction is not None else trainer.limit_train_batches
+        fraction = self._train_limit(trainer)
         length = loader_length(grouped.loader)
         if not isinstance(fraction, float) or not 0.0 < fraction < 1.0 or length is None:
             return
