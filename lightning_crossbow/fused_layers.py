@@ -11,9 +11,9 @@ times the same with the SGD step, its "kernels alone" rows). For replica ``j``:
 
     y_j[n, o, l] = b_j[o] + \\sum_{c, t} W_j[o, c, t] \\, x_j^{pad}[n, c, s l + t]
     \\quad\\Longleftrightarrow\\quad
-    Y_j = \\mathrm{cols}(x_j) \\, W_j^\\top + b_j
+    Y_j^\\top = W_j \\, \\mathrm{cols}(x_j)^\\top + b_j \\mathbf{1}^\\top
 
-with ``cols(x_j)[(n, l), (c, t)] = x_j^pad[n, c, s l + t]`` (im2col, a view of the padded input):
+with ``cols(x_j)[(n, l), (c, t)] = x_j^pad[n, c, s l + t]`` (im2col, gathered from a view of the padded input):
 one ``baddbmm`` over the replicas. While the fused engine runs the module under ``vmap``, its own
 ``nn.Conv1d`` layers take this form where the call is the plain case
 (``groups=1``, ``dilation=1``, zero padding given as a number, weights batched over the replicas by
@@ -73,16 +73,21 @@ _AVAILABLE = _functorch is not None and all(
 def conv1d_over_replicas(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: int, padding: int) -> Tensor:
     """``k`` one-dimensional convolutions in one batched matrix product: ``input`` ``(k, n, c, L)``, ``weight``
     ``(k, o, c, t)``, ``bias`` ``(k, o)`` or None; returns ``(k, n, o, L_out)``, row ``j`` equal to
-    ``F.conv1d(input[j], weight[j], bias[j], stride, padding)`` up to float rounding."""
+    ``F.conv1d(input[j], weight[j], bias[j], stride, padding)`` up to float rounding.
+
+    The product is ``W_j cols(x_j)^T``, ``(o, c t)`` by ``(c t, n L_out)``: the im2col copy then reads the padded
+    input along its length and the result is copied back along its length (the other order, ``cols(x_j) W_j^T``,
+    gathers across channels both ways; the MNIST-1D CNN's forward, backward and SGD step at k=8, b=16 reached 3% and 6%
+    more samples/s in this order, medians of 11 and 9 interleaved rounds in two runs, 2 CPU threads)."""
     k, n, channels, _ = input.shape
     out_channels, taps = weight.shape[1], weight.shape[3]
     padded = F.pad(input, (padding, padding)) if padding else input
     windows = padded.unfold(3, taps, stride)  # (k, n, c, L_out, t): a view
     length = windows.shape[3]
-    columns = windows.permute(0, 1, 3, 2, 4).reshape(k, n * length, channels * taps)
-    matrix = weight.reshape(k, out_channels, channels * taps).transpose(1, 2)
-    out = torch.bmm(columns, matrix) if bias is None else torch.baddbmm(bias.unsqueeze(1), columns, matrix)
-    return out.view(k, n, length, out_channels).transpose(2, 3).contiguous()
+    columns_t = windows.permute(0, 2, 4, 1, 3).reshape(k, channels * taps, n * length)
+    matrix = weight.reshape(k, out_channels, channels * taps)
+    out = torch.bmm(matrix, columns_t) if bias is None else torch.baddbmm(bias.unsqueeze(2), matrix, columns_t)
+    return out.view(k, out_channels, n, length).transpose(1, 2).contiguous()
 
 
 def cross_entropy_over_replicas(input: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
