@@ -9,7 +9,8 @@ replica the gradient of its own loss, in the stack's ``.grad``.
 - :class:`FusedEngine`: one batched computation over the stack with ``torch.func.vmap``
   (``randomness="different"``: dropout draws differ per replica); on CPU its ``nn.Conv1d`` layers run as one
   batched matrix product over the replicas, and ``F.cross_entropy``/``F.nll_loss`` as one call over them all
-  (:mod:`~lightning_crossbow.fused_layers`).
+  (:mod:`~lightning_crossbow.fused_layers`); ``F.embedding`` takes a form that ``vmap`` gets right
+  (:mod:`~lightning_crossbow.vmap_corrections`).
 - :class:`SequentialEngine`: a Python loop over the replicas; runs any ``training_step``.
 - :class:`StreamsEngine`: the sequential loop with each replica's work on its own CUDA stream
   (:mod:`~lightning_crossbow.streams`), so that the replicas' kernels can run side by side on the GPU.
@@ -42,6 +43,7 @@ from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack
 from lightning_crossbow.stateless import Reparametrizer
 from lightning_crossbow.streams import StreamPool
+from lightning_crossbow.vmap_corrections import corrected_under_vmap
 
 ENGINES = ("auto", "fused", "sequential", "streams")
 
@@ -72,20 +74,13 @@ def _trained(layer: nn.Module) -> bool:
 
 def layer_vmap_gets_wrong(module: nn.Module) -> Optional[str]:
     """Why ``vmap`` cannot run ``module`` as the replicas need, for the first layer that it gets wrong; None when
-    none. ``nn.Embedding(padding_idx=...)``: with each replica's own indices, PyTorch's batching rule keeps the
-    padding row's gradient at zero for the first replica only, so the others would train it. ``sparse=True``
-    (``nn.Embedding``, ``nn.EmbeddingBag``): sparse gradients cannot be batched, and the error comes only in the
-    backward, after the fused step has run. Functional calls (``F.embedding``) are not seen here."""
+    none. ``sparse=True`` (``nn.Embedding``, ``nn.EmbeddingBag``): sparse gradients cannot be batched, and the
+    error comes only in the backward, after the fused step has run. (``nn.Embedding(padding_idx=...)``, which
+    ``vmap``'s rule gets wrong, and functional ``F.embedding`` calls run in a corrected form:
+    :mod:`~lightning_crossbow.vmap_corrections`.)"""
     for name, layer in module.named_modules():
-        if not isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) or not _trained(layer):
-            continue  # (a frozen embedding has no gradient to get wrong)
-        if layer.sparse:
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and _trained(layer) and layer.sparse:
             return f"{name} ({type(layer).__name__}) has sparse=True, whose sparse gradients vmap cannot batch"
-        if isinstance(layer, nn.Embedding) and layer.padding_idx is not None:
-            return (
-                f"{name} (Embedding) has padding_idx={layer.padding_idx}: under vmap PyTorch trains the padding"
-                " row of every replica but the first"
-            )
     return None
 
 
@@ -372,7 +367,7 @@ class FusedEngine(Engine):
 
         if self._fused_layers is None:
             self._fused_layers = fusable_layers(self.module, device)
-        with fused_layers(self._fused_layers, losses=fuses_on(device)):
+        with fused_layers(self._fused_layers, losses=fuses_on(device)), corrected_under_vmap():
             losses, extras, logged, replaced = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
                 stack.params, stack.buffers, batch
             )
