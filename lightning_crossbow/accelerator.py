@@ -10,7 +10,7 @@ and the strategy's measured training throughput, through ``get_device_stats`` (s
 from __future__ import annotations
 
 import gc
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
@@ -48,18 +48,35 @@ class CrossbowAccelerator(Accelerator):
 
     Args:
         device_type: ``"cuda"`` or ``"cpu"``; ``None`` picks CUDA when available, else CPU.
+
+    Lightning reads the devices (``parse_devices``, ``get_parallel_devices``, ``auto_device_count``,
+    ``is_available``) from the accelerator's class, not from the instance: ``CrossbowAccelerator("cpu")`` is
+    therefore an instance of a subclass whose class answers for the CPU (and ``"cuda"`` for CUDA), so that a
+    given device type is kept on a machine that has the other.
     """
+
+    #: The Lightning accelerator whose devices this class reports; None: CUDA when available, else CPU.
+    device_accelerator: ClassVar[Optional[type[Accelerator]]] = None
+
+    def __new__(cls, device_type: Optional[str] = None) -> "CrossbowAccelerator":
+        if cls is CrossbowAccelerator and isinstance(device_type, str) and device_type in _ON_DEVICE:
+            cls = _ON_DEVICE[device_type]
+        return super().__new__(cls)
 
     def __init__(self, device_type: Optional[str] = None) -> None:
         super().__init__()
         if device_type is None:
-            device_type = "cuda" if _base_class() is CUDAAccelerator else "cpu"
-        if device_type not in ("cuda", "cpu"):
+            device_type = "cuda" if self._device_class() is CUDAAccelerator else "cpu"
+        if not isinstance(device_type, str) or device_type not in _ON_DEVICE:
             raise ValueError(f"CrossbowAccelerator device_type must be 'cuda' or 'cpu', got {device_type!r}.")
         self.device_type = device_type
         self._base: Accelerator = CUDAAccelerator() if device_type == "cuda" else CPUAccelerator()
         self.samples_per_second: Optional[float] = None  # written by CrossbowStrategy after each step
         self._stream_pools: dict[torch.device, StreamPool] = {}
+
+    @classmethod
+    def _device_class(cls) -> type[Accelerator]:
+        return cls.device_accelerator or _base_class()
 
     def stream_pool(self, device: torch.device) -> StreamPool:
         """The CUDA streams of ``device`` for ``engine="streams"``: one pool per device, made on first use."""
@@ -88,25 +105,25 @@ class CrossbowAccelerator(Accelerator):
             stats["crossbow/samples_per_sec"] = self.samples_per_second
         return stats
 
-    @staticmethod
+    @classmethod
     @override
-    def parse_devices(devices: Any) -> Any:
-        return _base_class().parse_devices(devices)
+    def parse_devices(cls, devices: Any) -> Any:
+        return cls._device_class().parse_devices(devices)
 
-    @staticmethod
+    @classmethod
     @override
-    def get_parallel_devices(devices: Any) -> list[torch.device]:
-        return _base_class().get_parallel_devices(devices)
+    def get_parallel_devices(cls, devices: Any) -> list[torch.device]:
+        return cls._device_class().get_parallel_devices(devices)
 
-    @staticmethod
+    @classmethod
     @override
-    def auto_device_count() -> int:
-        return _base_class().auto_device_count()
+    def auto_device_count(cls) -> int:
+        return cls._device_class().auto_device_count()
 
-    @staticmethod
+    @classmethod
     @override
-    def is_available() -> bool:
-        return True
+    def is_available(cls) -> bool:
+        return cls._device_class().is_available()
 
     @staticmethod
     @override
@@ -119,3 +136,18 @@ class CrossbowAccelerator(Accelerator):
         accelerator_registry.register(
             "crossbow", cls, description="Crossbow: CUDA when available, else CPU, with crossbow's device stats"
         )
+
+
+class CrossbowCPUAccelerator(CrossbowAccelerator):
+    """``CrossbowAccelerator("cpu")``."""
+
+    device_accelerator = CPUAccelerator
+
+
+class CrossbowCUDAAccelerator(CrossbowAccelerator):
+    """``CrossbowAccelerator("cuda")``."""
+
+    device_accelerator = CUDAAccelerator
+
+
+_ON_DEVICE: dict[str, type[CrossbowAccelerator]] = {"cpu": CrossbowCPUAccelerator, "cuda": CrossbowCUDAAccelerator}

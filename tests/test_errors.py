@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any
 
 import lightning as L
@@ -168,6 +169,30 @@ def test_the_accelerators_device_stats_add_to_lightnings_own() -> None:
     stats = accelerator.get_device_stats("cpu")
     assert set(CPUAccelerator().get_device_stats("cpu")) < set(stats)  # cpu_percent, ... are kept
     assert stats["memory_free_bytes"] > 0 and stats["crossbow/samples_per_sec"] == 123.0
+
+
+def test_an_accelerator_given_a_device_type_keeps_it_on_a_machine_with_the_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lightning asks the accelerator's class for the devices: CrossbowAccelerator("cpu") answers for the CPU even
+    where CUDA is available, and CrossbowAccelerator("cuda") says it is unavailable where CUDA is not."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    cpu = CrossbowAccelerator("cpu")
+    assert isinstance(cpu, CrossbowAccelerator) and cpu.device_type == "cpu"
+    assert type(pickle.loads(pickle.dumps(cpu))) is type(cpu)  # (spawned processes get it pickled)
+    with monkeypatch.context() as cuda_machine:
+        cuda_machine.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
+        cuda_machine.setattr(CUDAAccelerator, "get_parallel_devices", staticmethod(lambda d: [torch.device("cuda", 0)]))
+        assert type(cpu).get_parallel_devices(type(cpu).parse_devices(2)) == [torch.device("cpu")] * 2
+        assert type(cpu).is_available()
+        assert type(CrossbowAccelerator()).get_parallel_devices(1) == [torch.device("cuda", 0)]  # (None: CUDA here)
+    if not torch.cuda.is_available():
+        with pytest.raises(MisconfigurationException, match="CrossbowCUDAAccelerator` can not run on your system"):
+            L.Trainer(accelerator=CrossbowAccelerator("cuda"), strategy=CrossbowStrategy(replicas_per_device=2))
+    with pytest.raises(ValueError, match=r"device_type must be 'cuda' or 'cpu', got \['cpu'\]"):
+        CrossbowAccelerator(["cpu"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
