@@ -51,7 +51,7 @@ ENGINES = ("auto", "fused", "sequential", "streams")
 class NotFusableError(RuntimeError):
     """The user's ``training_step`` cannot run under ``vmap``: it returned a dict with non-tensor values, it
     updates a torchmetrics metric, whose state cannot hold per-replica values, or the module has a layer whose
-    ``vmap`` rule computes other values (:func:`layer_vmap_gets_wrong`)."""
+    gradients ``vmap`` cannot batch (:func:`layer_vmap_gets_wrong`)."""
 
 
 def layer_changing_its_weight(module: nn.Module) -> Optional[str]:

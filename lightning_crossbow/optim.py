@@ -9,7 +9,7 @@ within a tensor (LBFGS, LARS, LAMB, Shampoo, Adafactor, ...) would mix replicas 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,8 +24,17 @@ SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
 
 
 def stacked_params(optimizer: Optimizer) -> list[Tensor]:
-    """The parameters ``optimizer`` steps, in its state_dict's order: the stacked ``(k, *shape)`` replicas."""
+    """The parameters ``optimizer`` steps, in its state_dict's order: the stacked ``(k, *shape)`` replicas (and any
+    parameter frozen when training started, which is not replicated: see :func:`stacked_indices`)."""
     return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def stacked_indices(optimizer: Optimizer, stacked: Collection[Tensor]) -> list[int]:
+    """The positions, in ``optimizer``'s state_dict order, of its parameters that are in ``stacked`` (the stack's
+    leaves): the others are module parameters that were frozen when training started, one tensor shared by
+    every replica, whose state is the optimizer's own, not per replica."""
+    ids = {id(leaf) for leaf in stacked}
+    return [index for index, param in enumerate(stacked_params(optimizer)) if id(param) in ids]
 
 
 def _is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
@@ -74,15 +83,16 @@ def repoint_to_stack(optimizer: Optimizer, stacked: Mapping[int, Tensor], num_re
 
 
 @torch.no_grad()
-def central_state_dict(optimizer: Optimizer) -> dict[str, Any]:
+def central_state_dict(optimizer: Optimizer, stacked: Collection[Tensor]) -> dict[str, Any]:
     """``optimizer.state_dict()`` as if it stepped the module's own parameters: every per-replica state
-    tensor (shaped like its stacked ``(k, *shape)`` parameter) becomes its mean over the replicas; other
-    state (Adam's ``step``...) and the hyper-parameters are kept. Plain Lightning, or any optimizer over
-    the module's parameters, loads it. The optimizer itself is not changed."""
+    tensor (shaped like its stacked ``(k, *shape)`` parameter, one of ``stacked``) becomes its mean over the
+    replicas; other state (Adam's ``step``...), the state of parameters that are not stacked, and the
+    hyper-parameters are kept. Plain Lightning, or any optimizer over the module's parameters, loads it. The
+    optimizer itself is not changed."""
     state_dict = optimizer.state_dict()
     params = stacked_params(optimizer)
-    for index, param in enumerate(params):
-        entry = state_dict["state"].get(index)
+    for index in stacked_indices(optimizer, stacked):
+        param, entry = params[index], state_dict["state"].get(index)
         if entry is not None:  # a new dict: the entry is the optimizer's own
             state_dict["state"][index] = {
                 key: value.mean(0) if _is_per_element(key, value, param.shape) else value
@@ -93,16 +103,17 @@ def central_state_dict(optimizer: Optimizer) -> dict[str, Any]:
 
 @torch.no_grad()
 def central_state_over_ranks(
-    central: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]], rows: Sequence[int]
+    central: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]], rows: Sequence[int], stacked: Collection[int]
 ) -> dict[str, Any]:
     """One process's :func:`central_state_dict` made the mean over the replicas of every process: ``ranks[r]``
     is process ``r``'s stacked ``optimizer.state_dict()``, of ``rows[r]`` replicas. Per-replica state (tensors
     of ``rows[r]`` rows) is summed over every process's rows and divided by ``sum(rows)``; a process with no
-    entry for a parameter (none of its replicas stepped it yet) counts as zero rows, as fresh state is. Shared
-    state (Adam's ``step``) and the hyper-parameters are the first process's."""
-    total = sum(rows)
-    state: dict[int, dict[str, Any]] = {}
-    for index in sorted({index for rank in ranks for index in rank["state"]}):
+    entry for a parameter (none of its replicas stepped it yet) counts as zero rows, as fresh state is. Only the
+    parameters at positions ``stacked`` (:func:`stacked_indices`) have per-replica state: the others' is
+    ``central``'s. Shared state (Adam's ``step``) and the hyper-parameters are the first process's."""
+    total, replicated = sum(rows), set(stacked)
+    state: dict[int, dict[str, Any]] = {i: v for i, v in central["state"].items() if i not in replicated}
+    for index in sorted({index for rank in ranks for index in rank["state"]} & replicated):
         merged: dict[str, Any] = {}
         summed: set[str] = set()
         for rank, k in zip(ranks, rows):
@@ -117,13 +128,15 @@ def central_state_over_ranks(
 
 
 @torch.no_grad()
-def seed_stacked_state_(optimizer: Optimizer, saved: Mapping[str, Any]) -> bool:
+def seed_stacked_state_(optimizer: Optimizer, saved: Mapping[str, Any], stacked: Collection[Tensor]) -> bool:
     """Loads ``saved``, a state_dict of the same optimizer over the module's own parameters (as
     :func:`central_state_dict` writes it, or plain Lightning), or over stacked ones with another number
-    of replicas, into ``optimizer`` over its stacked ``(k, *shape)`` parameters: every replica gets the
-    same state, the saved one (stacked rows: their mean). Hyper-parameters come from ``saved``.
+    of replicas, into ``optimizer`` over its stacked ``(k, *shape)`` parameters (those in ``stacked``; the
+    others take their saved state as it is): every replica gets the same state, the saved one (stacked rows:
+    their mean). Hyper-parameters come from ``saved``.
     Returns False, changing nothing, when the saved parameters do not match (count or shapes)."""
     params = stacked_params(optimizer)
+    replicated = set(stacked_indices(optimizer, stacked))
     saved_groups = saved.get("param_groups", [])
     if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
         return False
@@ -131,6 +144,14 @@ def seed_stacked_state_(optimizer: Optimizer, saved: Mapping[str, Any]) -> bool:
     for index, param in enumerate(params):
         entry = saved.get("state", {}).get(index)
         if entry is None:
+            continue
+        if index not in replicated:
+            if any(
+                isinstance(v, Tensor) and k not in SCALAR_STATE_KEYS and v.shape != param.shape
+                for k, v in entry.items()
+            ):
+                return False
+            state[index] = dict(entry)
             continue
         shape, rows = param.shape[1:], param.shape[0]
         seeded = {}
@@ -185,9 +206,10 @@ def _replace_params(
 
 
 @torch.no_grad()
-def reset_state_rows_(optimizer: Optimizer, rows: Tensor) -> None:
-    """Zeroes the per-replica optimizer state (momentum, moments, ...) of the replicas in ``rows``."""
-    for param in stacked_params(optimizer):
+def reset_state_rows_(optimizer: Optimizer, rows: Tensor, stacked: Collection[Tensor]) -> None:
+    """Zeroes the per-replica optimizer state (momentum, moments, ...) of the replicas in ``rows``, over the
+    ``stacked`` parameters. State that the replicas share (Adam's ``step`` count) goes on."""
+    for param in stacked:
         for key, value in optimizer.state.get(param, {}).items():
             if _is_per_element(key, value, param.shape):
                 value[rows] = 0
@@ -200,9 +222,10 @@ class HeldRows:
     replica. Shared state (Adam's ``step`` count) is not per replica and moves for all."""
 
     @torch.no_grad()
-    def __init__(self, optimizer: Optimizer, rows: Tensor) -> None:
+    def __init__(self, optimizer: Optimizer, rows: Tensor, stacked: Collection[Tensor]) -> None:
         self.optimizer, self.rows = optimizer, rows
-        self.params = stacked_params(optimizer)
+        ids = {id(leaf) for leaf in stacked}
+        self.params = [param for param in stacked_params(optimizer) if id(param) in ids]
         self.copies: dict[tuple[int, str], Tensor] = {}
         for param in self.params:
             self.copies[(id(param), "")] = param[rows].clone()

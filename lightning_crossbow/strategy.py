@@ -75,6 +75,7 @@ from lightning_crossbow.optim import (
     reset_state_rows_,
     resize_stacked_state_,
     seed_stacked_state_,
+    stacked_indices,
     stacked_params,
 )
 from lightning_crossbow.preflight import check_callbacks, warn_of_step_schedules_under_tuning
@@ -236,6 +237,7 @@ class CrossbowStrategy(DDPStrategy):
         self._lrs_before_last: Optional[list[float]] = None
         self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
+        self._leaves_after_fit: list[Tensor] = []  #: the stacked leaves the optimizer steps, kept at teardown
         self._step_started: Optional[float] = None
         self.samples_per_second: Optional[float] = None
         self._batch_size: Optional[int] = None
@@ -900,7 +902,7 @@ class CrossbowStrategy(DDPStrategy):
             with self.engine.timed():  # an engine="auto" that is still measuring times forward and backward
                 result = self._forward_backward(closure)  # (which may change k, see _back_off)
             if self._step_skipped is not None and bool(self._step_skipped.any()):
-                held = HeldRows(optimizer, self._step_skipped)
+                held = HeldRows(optimizer, self._step_skipped, self._stacked_leaves())
             self.averaging.before_local_step(self.stack.buckets, self.num_learners)
             return result
 
@@ -958,15 +960,15 @@ class CrossbowStrategy(DDPStrategy):
         return moved
 
     def _restart_left_out(self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor]) -> None:
-        """Diverged replicas restart from z with fresh optimizer state; replicas that skipped, from z. (Gossip's
-        left-out learners already took their peers' weights.)"""
+        """Diverged replicas restart from z with their per-replica optimizer state zeroed; replicas that skipped, from
+        z. (Gossip's left-out learners already took their peers' weights.)"""
         assert self.stack is not None
         if diverged is not None:
             if not self.averaging.center_is_learner_mean:
                 self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
             else:  # (gossip: the weights came from a peer, or restarted; the buffers restart from z's)
                 self.stack.reset_buffers_(self.lightning_module, diverged)
-            reset_state_rows_(optimizer, diverged)
+            reset_state_rows_(optimizer, diverged, self._stacked_leaves())
         if skipped is not None and not self.averaging.center_is_learner_mean:
             self.stack.reset_replicas_(self.lightning_module, skipped, buffers=False)
 
@@ -1126,8 +1128,9 @@ class CrossbowStrategy(DDPStrategy):
         for replica in diverged.nonzero().flatten().tolist():
             warnings.warn(
                 f"crossbow: replica {replica} on rank {self.global_rank} has a non-finite loss"
-                f" ({losses[replica].item()}) at step {step}; it is reset to the central model and its optimizer"
-                " state cleared. Training continues.",
+                f" ({losses[replica].item()}) at step {step}; it is reset to the central model and its own optimizer"
+                " state (momentum, moments) zeroed; state its replicas share, such as Adam's step count, goes on."
+                " Training continues.",
                 stacklevel=2,
             )
         return diverged
@@ -1231,7 +1234,9 @@ class CrossbowStrategy(DDPStrategy):
                 rows = state["split"] or (state["replicas_per_device"],) * state["world_size"]
                 ranks = [rank["optimizer"] for rank in state["ranks"]]
                 checkpoint["optimizer_states"] = [
-                    central_state_over_ranks(checkpoint["optimizer_states"][0], ranks, rows)
+                    central_state_over_ranks(
+                        checkpoint["optimizer_states"][0], ranks, rows, self._stacked_indices(self.optimizers[0])
+                    )
                 ]
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -1243,7 +1248,15 @@ class CrossbowStrategy(DDPStrategy):
         world size. Each rank's stacked state is kept beside it."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return central_state_dict(optimizer)  # this process's; save_checkpoint makes it every process's
+        return central_state_dict(optimizer, self._stacked_leaves())  # this process's; see save_checkpoint
+
+    def _stacked_leaves(self) -> list[Tensor]:
+        """The stacked ``(k, *shape)`` leaves that the optimizer steps (the last fit's, after it)."""
+        return list(self.stack.params.values()) if self.stack is not None else self._leaves_after_fit
+
+    def _stacked_indices(self, optimizer: Optimizer) -> list[int]:
+        """The positions of the stacked leaves in ``optimizer``'s state_dict order (:func:`stacked_indices`)."""
+        return stacked_indices(optimizer, self._stacked_leaves())
 
     def _strategy_state(self) -> dict[str, Any]:
         assert self.stack is not None
@@ -1319,7 +1332,7 @@ class CrossbowStrategy(DDPStrategy):
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self._center_stale = True
             return
-        seeded = seed_stacked_state_(optimizer, saved_optimizer)
+        seeded = seed_stacked_state_(optimizer, saved_optimizer, self._stacked_leaves())
         if not seeded:
             for group, saved_group in zip(optimizer.param_groups, saved_optimizer["param_groups"], strict=True):
                 group.update({key: value for key, value in saved_group.items() if key != "params"})
@@ -1371,6 +1384,8 @@ class CrossbowStrategy(DDPStrategy):
             self._mean_gradients.remove()
             self._mean_gradients = None
         self._sigterm_vote.uninstall()
+        if self.stack is not None:  # (a checkpoint saved after fit reads the optimizer, still over them)
+            self._leaves_after_fit = list(self.stack.params.values())
         self.stack = None
         self.engine = None
         self._step_losses = self._step_skipped = None

@@ -16,8 +16,8 @@ renormalised by ``max_norm`` is renormalised as by PyTorch's own function, which
 after the step has run: the form here raises in the forward, where ``engine="auto"`` can still fall back.
 
 While the fused engine runs (:func:`corrected_under_vmap`), on every device, ``torch.nn.functional.embedding``
-(which ``nn.Embedding`` calls) is this form; calls whose weight ``vmap`` does not batch (a frozen embedding, calls
-outside the replicas' step) pass to PyTorch's own function unchanged. Code that bound the function before the step
+(which ``nn.Embedding`` calls) is this form; calls whose weight ``vmap`` does not batch or that has no gradient (a
+frozen embedding, a buffer, calls outside the replicas' step) pass to PyTorch's own function unchanged. Code that bound the function before the step
 (``from torch.nn.functional import embedding``) keeps ``vmap``'s rule.
 """
 
@@ -34,9 +34,18 @@ from torch import Tensor
 _own_embedding = F.embedding
 
 
-def _batched(tensor: Tensor) -> bool:
-    """Whether ``vmap`` batches ``tensor`` (the replicas' stacked weight, inside their step)."""
-    return bool(torch._C._functorch.is_batchedtensor(tensor))
+def _batched_and_trained(tensor: Tensor) -> bool:
+    """Whether ``vmap`` batches ``tensor`` (the replicas' stacked weights, inside their step) and a gradient reaches
+    it: the tensor under the transforms' wrappers requires one, or a transform that differentiates wraps it. (A
+    buffer, say a fixed lookup table, is batched too, but has no gradient to get wrong.)"""
+    functorch = torch._C._functorch
+    if not functorch.is_batchedtensor(tensor):
+        return False
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        if not functorch.is_batchedtensor(tensor):
+            return True  # (the wrapper of a grad or jvp transform)
+        tensor = functorch.get_unwrapped(tensor)
+    return tensor.requires_grad
 
 
 def embedding_over_replicas(
@@ -48,9 +57,9 @@ def embedding_over_replicas(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> Tensor:
-    """``F.embedding``, right for every replica when ``vmap`` batches ``weight``: the padding positions' rows
-    detached rather than ``padding_idx`` given to ``vmap``'s rule; ``sparse=True`` refused."""
-    if not _batched(weight):
+    """``F.embedding``, right for every replica when ``vmap`` batches a trained ``weight``: the padding positions'
+    rows detached rather than ``padding_idx`` given to ``vmap``'s rule; ``sparse=True`` refused."""
+    if not _batched_and_trained(weight):
         return _own_embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     if sparse:
         raise RuntimeError(

@@ -343,21 +343,23 @@ def test_a_crossbow_checkpoint_resumes_in_plain_lightning(tmp_path: Path) -> Non
 
 def test_the_central_optimizer_state_is_the_mean_over_every_processs_replicas() -> None:
     """Two processes of 2 and 1 replicas; the second never stepped parameter 1 (an unused branch): it counts
-    as a zero row, as fresh momentum is. Shared state (a step count) is the first process's."""
+    as a zero row, as fresh momentum is. Shared state (a step count) is the first process's. Parameter 2 was
+    frozen when training started (not replicated): its state, of 2 rows like rank 0's k, is not per replica."""
     from lightning_crossbow.optim import central_state_over_ranks
 
     generator = torch.Generator().manual_seed(0)
     a0, a1, b0 = (torch.randn(2, 3, generator=generator), torch.randn(2, 4, generator=generator), torch.randn(1, 3))
-    step = torch.tensor(5.0)
+    step, frozen = torch.tensor(5.0), {"sum": torch.randn(2, 5, generator=generator)}
     ranks = [
-        {"state": {0: {"momentum_buffer": a0, "step": step}, 1: {"momentum_buffer": a1, "step": step}}},
-        {"state": {0: {"momentum_buffer": b0, "step": torch.tensor(9.0)}}},
+        {"state": {0: {"momentum_buffer": a0, "step": step}, 1: {"momentum_buffer": a1, "step": step}, 2: frozen}},
+        {"state": {0: {"momentum_buffer": b0, "step": torch.tensor(9.0)}, 2: frozen}},
     ]
-    groups = [{"lr": 0.1, "params": [0, 1]}]
-    merged = central_state_over_ranks({"state": {}, "param_groups": groups}, ranks, rows=(2, 1))
+    groups = [{"lr": 0.1, "params": [0, 1, 2]}]
+    merged = central_state_over_ranks({"state": {2: frozen}, "param_groups": groups}, ranks, (2, 1), stacked=[0, 1])
     torch.testing.assert_close(merged["state"][0]["momentum_buffer"], (a0.sum(0) + b0[0]) / 3)
     torch.testing.assert_close(merged["state"][1]["momentum_buffer"], a1.sum(0) / 3)
     assert merged["state"][0]["step"] is step and merged["param_groups"] is groups
+    assert merged["state"][2] is frozen
 
 
 def test_a_weights_only_checkpoint_holds_no_crossbow_state(tmp_path: Path) -> None:
@@ -645,3 +647,52 @@ def test_a_zero_dim_parameter_s_optimizer_state_is_seeded_per_replica(tmp_path: 
         fit.fit(_WithTemperature(), loader(dataset), ckpt_path=tmp_path / "plain.ckpt")
     assert fit.global_step == 8 + 2  # it trained on (8 batches at k=3: 2 steps): the state has a row per replica
     assert [tuple(t.shape) for t in seen.exp_avg].count((3,)) == 1  # the temperature's, one value per replica
+
+
+# ---------------------------------------------------------------- frozen parameters given to the optimizer
+class _FrozenFirstLayer(Classifier):
+    """``self.parameters()`` given to Adagrad (which makes its state at once) with the first layer frozen, as is
+    common with a frozen backbone. The sample ``skip`` makes its replica skip; ``diverge`` makes its loss NaN."""
+
+    def __init__(self, skip: Tensor, diverge: Tensor) -> None:
+        super().__init__()
+        self.net[0].weight.requires_grad_(False)
+        self.skip, self.diverge = skip, diverge
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if torch.equal(batch[0][0], self.skip):
+            return None
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if torch.equal(batch[0][0], self.diverge) else loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
+def test_a_frozen_parameter_in_the_optimizer_keeps_its_own_state_through_skips_divergence_and_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """The frozen weight is not replicated: its optimizer state is the optimizer's own (shaped like it), in the
+    checkpoint too, which plain Lightning resumes and then trains with the weight unfrozen; a skipped or diverged
+    replica leaves it alone."""
+    data = make_data(num_samples=48)  # 6 batches of 8: steps of 3 at k=3
+    model = _FrozenFirstLayer(skip=data[8][0], diverge=data[32][0])  # replica 1 of step 0, replica 1 of step 1
+    frozen = model.net[0].weight.detach().clone()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=1)
+    with pytest.warns(UserWarning, match="replica 1 on rank 0 has a non-finite loss"):
+        fit.fit(model, loader(data))
+    assert torch.equal(model.net[0].weight, frozen) and all(p.isfinite().all() for p in model.parameters())
+    fit.save_checkpoint(tmp_path / "frozen.ckpt")
+    saved = torch.load(tmp_path / "frozen.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    assert [entry["sum"].shape for entry in saved.values()] == [p.shape for p in model.parameters()]
+    assert torch.equal(saved[0]["sum"], torch.zeros_like(frozen))  # (Adagrad's initial sum: never stepped)
+
+    class Unfrozen(_FrozenFirstLayer):
+        def on_train_start(self) -> None:
+            self.net[0].weight.requires_grad_(True)
+
+    never = torch.full_like(data[0][0], float("inf"))
+    resumed = Unfrozen(skip=never, diverge=never)
+    plain = trainer(max_epochs=2)
+    plain.fit(resumed, loader(data), ckpt_path=tmp_path / "frozen.ckpt")
+    assert plain.global_step == 2 + 6 and not torch.equal(resumed.net[0].weight, frozen)

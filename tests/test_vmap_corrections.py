@@ -55,8 +55,12 @@ def test_outside_vmap_and_for_an_unbatched_weight_it_is_pytorchs_own_function(mo
 
 def test_a_sparse_embedding_is_refused_in_the_forward_and_an_out_of_range_padding_gets_pytorchs_error() -> None:
     weights, indices = _replicas_and_indices()
+    trained = weights.clone().requires_grad_()
     with pytest.raises(RuntimeError, match=r"F.embedding\(sparse=True\) on the replicas' weights: vmap cannot"):
-        vmap(lambda w, i: vc.embedding_over_replicas(i, w, sparse=True))(weights, indices)
+        vmap(lambda w, i: vc.embedding_over_replicas(i, w, sparse=True))(trained, indices)
+    # A table without a gradient (a buffer, batched with the replicas' other buffers) is PyTorch's own call:
+    looked_up = vmap(lambda w, i: vc.embedding_over_replicas(i, w, padding_idx=0, sparse=True))(weights, indices)
+    torch.testing.assert_close(looked_up, torch.stack([weights[j][indices[j]] for j in range(3)]), rtol=0, atol=0)
     with pytest.raises(AssertionError, match="Padding_idx must be within num_embeddings"):
         vmap(lambda w, i: vc.embedding_over_replicas(i, w, padding_idx=6))(weights, indices)
 
