@@ -77,6 +77,7 @@ from lightning_crossbow.optim import (
     seed_stacked_state_,
     stacked_indices,
     stacked_params,
+    unfuse_,
 )
 from lightning_crossbow.preflight import check_callbacks, warn_of_step_schedules_under_tuning
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack, resize_rows
@@ -403,6 +404,7 @@ class CrossbowStrategy(DDPStrategy):
             {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
             self.replicas_per_device,
         )
+        self._unfuse_for_replicas(optimizer)
         self._fastest_engine.clear()  # (a new fit may train another model: its engines are measured afresh)
         self.engine = self._make_engine(self.replicas_per_device)
         self._reads_gradients = hooks_read_gradients(module, trainer.callbacks)
@@ -453,6 +455,17 @@ class CrossbowStrategy(DDPStrategy):
             raise RuntimeError(
                 f"crossbow: the processes disagree on {', '.join(differing)} ({per_rank}). Every process must"
                 " construct CrossbowStrategy with the same arguments."
+            )
+
+    def _unfuse_for_replicas(self, optimizer: Optimizer) -> None:
+        """With more than one replica, the optimizer's ``fused=True`` kernels are turned off for good
+        (:func:`~lightning_crossbow.optim.unfuse_`: they step the stacked parameters wrongly), with a warning."""
+        assert self.stack is not None
+        if self.stack.num_replicas > 1 and unfuse_(optimizer):
+            rank_zero_warn(
+                f"crossbow: {type(optimizer).__name__}(fused=True) steps non-contiguous parameters wrongly (a PyTorch"
+                " limitation), and with more than one replica the stacked parameters are views of one flat buffer;"
+                " crossbow runs it with fused=False (its foreach implementation: the same update)."
             )
 
     def _clip_grad_by_norm_per_replica(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -796,6 +809,7 @@ class CrossbowStrategy(DDPStrategy):
             {id(old_leaves[name]): new for name, new in self.stack.params.items()},
             replicas_per_device,
         )
+        self._unfuse_for_replicas(self.optimizers[0])
         if self._gradients_pending:
             # A group Lightning fetched ahead (a loader without a length) kept the old k and opened an
             # accumulation window: kept replicas keep what they accumulated, new ones start from nothing.
@@ -1293,6 +1307,10 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Restores every replica, its optimizer state and z_prev; re-seeds from z when k or world size differ."""
+        self._load_replicas_and_optimizer(checkpoint)
+        self._unfuse_for_replicas(self.optimizers[0])  # (the checkpoint's param groups may ask for fused kernels)
+
+    def _load_replicas_and_optimizer(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.stack is not None
         state = checkpoint.get(_CHECKPOINT_KEY)
         optimizer = self.optimizers[0]

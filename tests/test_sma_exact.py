@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -10,6 +12,7 @@ from lightning_crossbow import CrossbowStrategy
 from tests.helpers import (
     Classifier,
     ReplicaSnapshot,
+    assert_one_replica_is_plain_lightning,
     loader,
     make_data,
     make_net,
@@ -55,6 +58,38 @@ def test_matches_reference_across_epochs(k: int, optimizer: str, alpha, mu: floa
     for index, (name, stacked) in enumerate(snapshot.params.items()):
         for j in range(k):
             torch.testing.assert_close(stacked[j], learners[j][index], msg=f"replica {j} differs in {name}")
+
+
+def test_an_optimizer_asking_for_fused_kernels_matches_the_reference_with_a_warning() -> None:
+    """PyTorch's fused kernels step the stacked (non-contiguous) parameters wrongly: at k > 1 crossbow runs the
+    optimizer without them, and says so; the reference steps each learner's own contiguous tensors, fused."""
+    dataset, k = make_data(num_samples=48), 3
+    model, snapshot = Classifier(optimizer="adam_fused"), ReplicaSnapshot()
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=k)
+    with pytest.warns(UserWarning, match=r"Adam\(fused=True\) steps non-contiguous parameters wrongly"):
+        trainer(strategy=strategy, max_epochs=2, callbacks=[snapshot]).fit(model, loader(dataset))
+    batches = list(loader(dataset))
+    z, learners = reference_sma(
+        make_net(), batches, k, 2, lambda params: make_optimizer("adam_fused", params, 0.1), alpha=1.0 / k, mu=0.9
+    )
+    for (name, param), expected in zip(model.net.named_parameters(), z):
+        torch.testing.assert_close(param.detach(), expected, msg=f"z differs in {name}")
+    for index, (name, stacked) in enumerate(snapshot.params.items()):
+        for j in range(k):
+            torch.testing.assert_close(stacked[j], learners[j][index], msg=f"replica {j} differs in {name}")
+    assert_one_replica_is_plain_lightning(lambda: Classifier(optimizer="adam_fused"), dataset)  # (fused kept)
+
+
+def test_a_checkpoint_asking_for_fused_kernels_resumes_without_them(tmp_path: Path) -> None:
+    plain = trainer(max_epochs=1)
+    plain.fit(Classifier(optimizer="adam_fused"), loader(make_data(num_samples=48)))
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    resumed = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2)
+    with pytest.warns(UserWarning, match=r"Adam\(fused=True\) steps non-contiguous"):
+        resumed.fit(
+            Classifier(optimizer="adam_fused"), loader(make_data(num_samples=48)), ckpt_path=tmp_path / "plain.ckpt"
+        )
+    assert [group["fused"] for group in resumed.optimizers[0].param_groups] == [False]
 
 
 class _ReplicasAfterFirstStep(L.Callback):
