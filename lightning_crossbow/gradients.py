@@ -1,9 +1,9 @@
-"""The gradients that hooks and callbacks see: the mean over replicas, on the module's own parameters.
+"""The gradients that hooks and callbacks see, and change: the mean over replicas, on the module's own parameters.
 
-Plain Lightning's ``on_after_backward`` and ``on_before_optimizer_step`` read ``p.grad`` of the
-module's parameters (``lightning.pytorch.utilities.grad_norm`` does). Under crossbow the optimizer
-steps the stacked replicas, so the module's parameters (z) get no gradient of their own. While
-someone reads them, each module parameter's ``.grad`` is kept equal to
+Plain Lightning's ``on_after_backward``, ``on_before_optimizer_step`` and ``configure_gradient_clipping`` read
+(and may change) ``p.grad`` of the module's parameters (``lightning.pytorch.utilities.grad_norm`` reads them).
+Under crossbow the optimizer steps the stacked replicas, so the module's parameters (z) get no gradient of
+their own. While someone reads them, each module parameter's ``.grad`` is kept equal to
 
 .. math::
 
@@ -13,46 +13,89 @@ the mean of its replicas' gradients, set whenever backward accumulates into the 
 (so it also covers ``accumulate_grad_batches``). With scaled averaging every learner starts the step
 at z, and :math:`\\bar g` is exactly the gradient at z of the mean loss over the step's k batches:
 what plain Lightning shows for one batch of ``k`` times the size.
+
+A change that those hooks make to :math:`\\bar g` (in place, or a new ``.grad``) is given to every replica:
+
+.. math::
+
+    g_j \\leftarrow g_j + (\\bar g' - \\bar g) \\quad (k > 1), \\qquad g_1 \\leftarrow \\bar g' \\quad (k = 1)
+
+so the replicas' mean gradient is what the hook left (``None``: no replica has a gradient for the parameter, which
+the optimizer then skips, as plain Lightning's does). At ``k = 1`` that is plain Lightning's step exactly. With
+scaled averaging and an optimizer linear in the gradient (SGD, with momentum), z then moves by the outer learning
+rate times what plain Lightning's optimizer would do with the hook's gradient; a change that is not a shift
+(clipping ``\\bar g`` by a factor) reaches each replica as the same shift.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from functools import partial
+from typing import Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
-#: The hooks that run between backward and the optimizer step, where gradients are read.
+#: The hooks that run between backward and the optimizer step, where gradients are read and changed.
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+#: The module's own hook among them, which callbacks do not have.
+MODULE_GRADIENT_HOOKS = (*GRADIENT_HOOKS, "configure_gradient_clipping")
 
 
 def hooks_read_gradients(module: pl.LightningModule, callbacks: Iterable[pl.Callback]) -> bool:
-    """Whether the module or a callback has its own ``on_after_backward`` or ``on_before_optimizer_step``."""
-    return any(is_overridden(hook, owner) for owner in (module, *callbacks) for hook in GRADIENT_HOOKS)
-
-
-def _set_mean_gradient(parameter: nn.Parameter, stacked: Tensor) -> None:
-    parameter.grad = None if stacked.grad is None else stacked.grad.mean(0)
+    """Whether the module or a callback has its own ``on_after_backward`` or ``on_before_optimizer_step``, or the
+    module its own ``configure_gradient_clipping``."""
+    return any(is_overridden(hook, module) for hook in MODULE_GRADIENT_HOOKS) or any(
+        is_overridden(hook, callback) for callback in callbacks for hook in GRADIENT_HOOKS
+    )
 
 
 class MeanGradients:
     """Sets ``module``'s parameter ``name``'s ``.grad`` to the mean over rows of ``stacked[name].grad`` every time
-    backward accumulates into it (post-accumulate-grad hooks on the stacked leaves), until :meth:`remove`."""
+    backward accumulates into it (post-accumulate-grad hooks on the stacked leaves), until :meth:`remove`; and gives
+    the replicas what hooks changed in it (:meth:`apply_changes_`)."""
 
     def __init__(self, module: nn.Module, stacked: Mapping[str, Tensor]) -> None:
         self._pairs = [(module.get_parameter(name), leaf) for name, leaf in stacked.items()]
+        #: per pair: the ``.grad`` shown (or None) and its version counter then, to see changes made in place
+        self._shown: list[tuple[Optional[Tensor], int]] = [(None, 0)] * len(self._pairs)
         self._handles = [
-            leaf.register_post_accumulate_grad_hook(partial(_set_mean_gradient, parameter))
-            for parameter, leaf in self._pairs
+            leaf.register_post_accumulate_grad_hook(partial(self._show, index))
+            for index, (_, leaf) in enumerate(self._pairs)
         ]
+
+    def _show(self, index: int, _leaf: Optional[Tensor] = None) -> None:
+        parameter, leaf = self._pairs[index]
+        grad = None if leaf.grad is None else leaf.grad.mean(0)
+        parameter.grad = grad
+        self._shown[index] = (grad, 0 if grad is None else grad._version)
 
     def refresh(self) -> None:
         """Sets every mean again from the stacked gradients as they are now (after a gradient scaler
         unscaled them in place, before ``on_before_optimizer_step``)."""
-        for parameter, leaf in self._pairs:
-            _set_mean_gradient(parameter, leaf)
+        for index in range(len(self._pairs)):
+            self._show(index)
+
+    @torch.no_grad()
+    def apply_changes_(self) -> None:
+        """Gives every replica's gradient the change that hooks made to the mean shown on the module's parameter
+        (see the module's docstring), and shows the new mean."""
+        for index, (parameter, leaf) in enumerate(self._pairs):
+            shown, version = self._shown[index]
+            grad = parameter.grad
+            if grad is shown and (grad is None or grad._version == version):
+                continue
+            if grad is None:
+                leaf.grad = None
+            elif leaf.grad is None:
+                leaf.grad = grad.unsqueeze(0).expand_as(leaf).clone()  # (from a zero mean: every replica gets it)
+            elif leaf.shape[0] == 1:
+                leaf.grad.copy_(grad.unsqueeze(0))
+            else:
+                leaf.grad.add_((grad - leaf.grad.mean(0)).unsqueeze(0))  # (the mean shown, from the unchanged rows)
+            self._show(index)
 
     def remove(self) -> None:
         """Removes the hooks and the module parameters' gradients."""

@@ -645,6 +645,8 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
+        if self._mean_gradients is not None:  # what on_after_backward changed in the module's gradients
+            self._mean_gradients.apply_changes_()
         self._replay_logs()
         self._group = self._group_cut = None  # the step's forward and backward ran: no retry can follow
 
@@ -1000,16 +1002,26 @@ class CrossbowStrategy(DDPStrategy):
     def _refresh_mean_gradients_before_hooks(self) -> None:
         """A gradient scaler unscales the replicas' gradients between backward and ``on_before_optimizer_step``:
         the precision plugin's ``_after_closure`` (those hooks, then clipping) sets the mean gradients again
-        first (an attribute of this plugin instance, removed at teardown)."""
+        first. What ``on_before_optimizer_step`` and then ``configure_gradient_clipping`` change in them goes to
+        the replicas before and after the clipping (:meth:`MeanGradients.apply_changes_`). (Attributes of this plugin
+        instance, removed at teardown.)"""
         plugin = self.precision_plugin
-        after_closure = type(plugin)._after_closure
+        after_closure, clip_gradients = type(plugin)._after_closure, type(plugin)._clip_gradients
 
         def refreshed_then_after_closure(model: "pl.LightningModule", optimizer: Any) -> None:
             if self._mean_gradients is not None:
                 self._mean_gradients.refresh()
             after_closure(plugin, model, optimizer)
 
+        def clip_gradients_with_changes_applied(*args: Any, **kwargs: Any) -> None:
+            if self._mean_gradients is not None:
+                self._mean_gradients.apply_changes_()
+            clip_gradients(plugin, *args, **kwargs)
+            if self._mean_gradients is not None:
+                self._mean_gradients.apply_changes_()
+
         plugin._after_closure = refreshed_then_after_closure  # type: ignore[method-assign]
+        plugin._clip_gradients = clip_gradients_with_changes_applied  # type: ignore[method-assign]
 
     def _wait_for_device(self) -> None:
         """The balancer times this rank's work on the host: on CUDA, wait for the queued kernels first."""
@@ -1419,7 +1431,7 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device, self._k_next_group = self._k_next_group, None
         self._log_capture.clear()
         self._buffers_before_step.clear()
-        for patched in ("clip_grad_by_norm", "_after_closure"):
+        for patched in ("clip_grad_by_norm", "_after_closure", "_clip_gradients"):
             vars(self.precision_plugin).pop(patched, None)
         if self._lightning_module is not None:
             vars(self._lightning_module).pop("_on_before_batch_transfer", None)

@@ -696,3 +696,69 @@ def test_a_frozen_parameter_in_the_optimizer_keeps_its_own_state_through_skips_d
     plain = trainer(max_epochs=2)
     plain.fit(resumed, loader(data), ckpt_path=tmp_path / "frozen.ckpt")
     assert plain.global_step == 2 + 6 and not torch.equal(resumed.net[0].weight, frozen)
+
+
+# ------------------------------------------------------------------- what hooks change in the gradients
+class _ClipsItsOwnGradients(Classifier):
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)  # (not Lightning's self.clip_gradients)
+
+
+class _ZeroesAGradientAfterBackward(Classifier):
+    def on_after_backward(self) -> None:
+        self.net[0].weight.grad.zero_()
+
+
+class _HalvesGradients(L.Callback):
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        for parameter in pl_module.parameters():
+            parameter.grad = parameter.grad * 0.5  # (a new tensor, not a change in place)
+
+
+@pytest.mark.parametrize("case", ["configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step"])
+def test_what_gradient_hooks_change_in_the_modules_gradients_is_plain_lightnings_step_at_one_replica(case: str) -> None:
+    make_model = {
+        "configure_gradient_clipping": _ClipsItsOwnGradients,
+        "on_after_backward": _ZeroesAGradientAfterBackward,
+    }
+    callbacks = (lambda: [_HalvesGradients()]) if case == "on_before_optimizer_step" else list
+    assert_one_replica_is_plain_lightning(make_model.get(case, Classifier), make_data(), callbacks=callbacks)
+
+
+class _ShiftsGradients(L.Callback):
+    """Adds ``shift`` to every gradient of the module, in place: the gradient of ``shift * sum(p)`` added to the loss."""
+
+    def __init__(self, shift: float) -> None:
+        self.shift = shift
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        for parameter in pl_module.parameters():
+            parameter.grad.add_(self.shift)
+
+
+class _ShiftedLoss(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return super().training_step(batch, batch_idx) + 0.01 * sum(p.sum() for p in self.parameters())
+
+
+def test_a_hooks_change_to_the_mean_gradient_reaches_every_replica() -> None:
+    """At k=3, a hook that adds 0.01 to the mean gradient trains as a loss with 0.01 sum(p) added does: every
+    replica's gradient gets the same shift (Crossbow's rule, whose replicas stay apart)."""
+    models = []
+    for make_model, callbacks in ((Classifier, [_ShiftsGradients(0.01)]), (_ShiftedLoss, [])):
+        model = make_model()
+        strategy = CrossbowStrategy(replicas_per_device=3, algorithm="sma", engine="sequential")
+        trainer(strategy=strategy, max_epochs=2, callbacks=callbacks).fit(model, loader(make_data()))
+        models.append(model)
+    for shifted_by_hook, shifted_by_loss in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(shifted_by_hook, shifted_by_loss)
+    assert not torch.allclose(models[0].net[0].weight, _trained_without_shift())
+
+
+def _trained_without_shift() -> Tensor:
+    model = Classifier()
+    strategy = CrossbowStrategy(replicas_per_device=3, algorithm="sma", engine="sequential")
+    trainer(strategy=strategy, max_epochs=2).fit(model, loader(make_data()))
+    return model.net[0].weight
