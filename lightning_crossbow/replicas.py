@@ -111,9 +111,30 @@ class ReplicaStack:
     def _make_param_views(self) -> None:
         k = self.num_replicas
         self.params = {}
-        for bucket in self.buckets:
-            for name, start, end, shape in bucket.slices():
-                self.params[name] = bucket.replicas[:, start:end].view(k, *shape).detach().requires_grad_()
+        for bucket, module_params in zip(self.buckets, self._module_params):
+            for (name, start, end, shape), param in zip(bucket.slices(), module_params):
+                leaf = bucket.replicas[:, start:end].view(k, *shape).detach()
+                self.params[name] = leaf.requires_grad_(param.requires_grad)  # (a parameter frozen since: see below)
+
+    @torch.no_grad()
+    def follow_requires_grad_(self) -> list[str]:
+        """Each stacked leaf's ``requires_grad`` follows its module parameter's: a parameter frozen during training
+        is no longer trained, and one unfrozen again is. A parameter newly frozen is held at z: its replicas are set
+        to z, and z_prev to z, so that no averaging rule moves it (it stays as it is, as in plain Lightning), and its
+        gradient is dropped (the optimizer skips it). Returns the names of the parameters newly frozen."""
+        frozen = []
+        for bucket, module_params in zip(self.buckets, self._module_params):
+            for (name, start, end, _), param in zip(bucket.slices(), module_params):
+                leaf = self.params[name]
+                if leaf.requires_grad == param.requires_grad:
+                    continue
+                leaf.requires_grad_(param.requires_grad)
+                if not param.requires_grad:
+                    leaf.grad = None
+                    bucket.replicas[:, start:end] = bucket.center[start:end]
+                    bucket.center_prev[start:end] = bucket.center[start:end]
+                    frozen.append(name)
+        return frozen
 
     def _bind_center(self, module: nn.Module) -> None:
         """Makes ``module``'s trainable parameters views of the central buffers (z)."""

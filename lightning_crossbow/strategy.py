@@ -239,6 +239,8 @@ class CrossbowStrategy(DDPStrategy):
         self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
         self._leaves_after_fit: list[Tensor] = []  #: the stacked leaves the optimizer steps, kept at teardown
+        self._param_groups_seen = 0  #: the optimizer's param groups when last re-pointed at the replicas
+        self._frozen_at_start: list[tuple[str, torch.nn.Parameter]] = []  #: parameters without replicas
         self._step_started: Optional[float] = None
         self.samples_per_second: Optional[float] = None
         self._batch_size: Optional[int] = None
@@ -405,6 +407,8 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device,
         )
         self._unfuse_for_replicas(optimizer)
+        self._param_groups_seen = len(optimizer.param_groups)
+        self._frozen_at_start = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
         self._fastest_engine.clear()  # (a new fit may train another model: its engines are measured afresh)
         self.engine = self._make_engine(self.replicas_per_device)
         self._reads_gradients = hooks_read_gradients(module, trainer.callbacks)
@@ -580,7 +584,39 @@ class CrossbowStrategy(DDPStrategy):
             # The first group made after set_replicas_per_device: resize before the step's corrections.
             self._resize_replicas(len(batch))
         if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
+            self._follow_trainable_parameters()
             self._reset_if_lr_dropped()
+
+    def _follow_trainable_parameters(self) -> None:
+        """Follows what a callback or hook changed since the last optimizer step: a parameter frozen is no longer
+        trained and stays as it is (:meth:`~lightning_crossbow.replicas.ReplicaStack.follow_requires_grad_`), and one
+        unfrozen again is trained; a param group added to the optimizer steps the replicas. A parameter that was
+        frozen when training started has no replicas: unfreezing it is refused, with the reason."""
+        assert self.stack is not None
+        self.stack.follow_requires_grad_()
+        unfrozen = [name for name, param in self._frozen_at_start if param.requires_grad]
+        if unfrozen:
+            raise RuntimeError(
+                f"crossbow: the parameter(s) {', '.join(unfrozen)} were frozen (requires_grad=False) when training"
+                " started, so crossbow made no replicas of them, and they were unfrozen during training. Unfreeze"
+                " them before fit (a callback may then freeze them for the first epochs: crossbow follows a freeze),"
+                " or train them in a second fit."
+            )
+        optimizer = self.optimizers[0]
+        if len(optimizer.param_groups) != self._param_groups_seen:  # (add_param_group: the module's parameters)
+            module = self.lightning_module
+            repoint_to_stack(
+                optimizer,
+                {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
+                self.stack.num_replicas,
+            )
+            params = stacked_params(optimizer)
+            if len({id(param) for param in params}) != len(params):
+                raise ValueError(
+                    "crossbow: a param group added to the optimizer during training holds parameters that another"
+                    " group already holds; every parameter may be in one group only."
+                )
+            self._param_groups_seen = len(optimizer.param_groups)
 
     def _reset_if_lr_dropped(self) -> None:
         """With ``reset_on_lr_drop``: the replicas restart from z when the lr has dropped since the last optimizer

@@ -762,3 +762,74 @@ def _trained_without_shift() -> Tensor:
     strategy = CrossbowStrategy(replicas_per_device=3, algorithm="sma", engine="sequential")
     trainer(strategy=strategy, max_epochs=2).fit(model, loader(make_data()))
     return model.net[0].weight
+
+
+# ------------------------------------------------------ parameters frozen, unfrozen or added during training
+class _FreezesTheFirstLayer(L.Callback):
+    """Freezes the first layer for epoch 1 (a hand-written fine-tuning schedule), and unfreezes it for epoch 2."""
+
+    def __init__(self) -> None:
+        self.at_epoch_start: list[Tensor] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.net[0].weight.requires_grad_(trainer.current_epoch != 1)
+        self.at_epoch_start.append(pl_module.net[0].weight.detach().clone())
+
+
+@pytest.mark.parametrize("algorithm", ["scaled_averaging", "sma", "gossip"])
+def test_a_parameter_frozen_during_training_stays_as_it_is_and_trains_again_once_unfrozen(algorithm: str) -> None:
+    assert_one_replica_is_plain_lightning(
+        Classifier, make_data(), epochs=3, callbacks=lambda: [_FreezesTheFirstLayer()]
+    )
+    model, freezes = Classifier(), _FreezesTheFirstLayer()
+    strategy = CrossbowStrategy(replicas_per_device=3, algorithm=algorithm)
+    trainer(strategy=strategy, max_epochs=3, callbacks=[freezes]).fit(model, loader(make_data()))
+    first, frozen, unfrozen = freezes.at_epoch_start
+    assert not torch.equal(first, frozen)  # trained in epoch 0,
+    assert torch.equal(frozen, unfrozen)  # not in epoch 1 (z, and every replica with it: SMA's momentum too),
+    assert not torch.equal(unfrozen, model.net[0].weight)  # and again in epoch 2
+
+
+class _UnfreezesTheFirstLayer(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].weight.requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        self.net[0].weight.requires_grad_(self.current_epoch >= 1)
+
+
+def test_unfreezing_a_parameter_frozen_when_training_started_is_refused_with_the_reason() -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2)
+    with pytest.raises(RuntimeError, match=r"net.0.weight were frozen \(requires_grad=False\) when training started"):
+        fit.fit(_UnfreezesTheFirstLayer(), loader(make_data()))
+    assert fit.current_epoch == 1  # (refused at the first step after the change)
+
+
+class _AddsTheFirstLayerToTheOptimizer(Classifier):
+    """Trains the last layer, and from epoch 1 also the first (``add_param_group``)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.net[2].parameters(), lr=0.1, momentum=0.9)
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            self.trainer.optimizers[0].add_param_group({"params": list(self.net[0].parameters())})
+
+
+def test_a_param_group_added_during_training_trains_its_parameters() -> None:
+    assert_one_replica_is_plain_lightning(_AddsTheFirstLayerToTheOptimizer, make_data(), epochs=2)
+    model = _AddsTheFirstLayerToTheOptimizer()
+    before = model.net[0].weight.detach().clone()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2).fit(model, loader(make_data()))
+    assert not torch.equal(before, model.net[0].weight)
+
+    class AddsAParameterTwice(_AddsTheFirstLayerToTheOptimizer):
+        def on_train_epoch_start(self) -> None:
+            if self.current_epoch == 1:
+                self.trainer.optimizers[0].add_param_group({"params": [self.net[2].weight]})
+
+    with pytest.raises(ValueError, match="holds parameters that another group already holds"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2).fit(
+            AddsAParameterTwice(), loader(make_data())
+        )
