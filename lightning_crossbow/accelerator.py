@@ -65,10 +65,13 @@ class CrossbowAccelerator(Accelerator):
 
     def __init__(self, device_type: Optional[str] = None) -> None:
         super().__init__()
+        own = "cuda" if self._device_class() is CUDAAccelerator else "cpu"  # (a subclass's, or the machine's)
         if device_type is None:
-            device_type = "cuda" if self._device_class() is CUDAAccelerator else "cpu"
+            device_type = own
         if not isinstance(device_type, str) or device_type not in _ON_DEVICE:
             raise ValueError(f"CrossbowAccelerator device_type must be 'cuda' or 'cpu', got {device_type!r}.")
+        if self.device_accelerator is not None and device_type != own:
+            raise ValueError(f"{type(self).__name__} runs on {own!r}, not {device_type!r}: use CrossbowAccelerator.")
         self.device_type = device_type
         self._base: Accelerator = CUDAAccelerator() if device_type == "cuda" else CPUAccelerator()
         self.samples_per_second: Optional[float] = None  # written by CrossbowStrategy after each step

@@ -193,6 +193,9 @@ def test_an_accelerator_given_a_device_type_keeps_it_on_a_machine_with_the_other
             L.Trainer(accelerator=CrossbowAccelerator("cuda"), strategy=CrossbowStrategy(replicas_per_device=2))
     with pytest.raises(ValueError, match=r"device_type must be 'cuda' or 'cpu', got \['cpu'\]"):
         CrossbowAccelerator(["cpu"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CrossbowCPUAccelerator runs on 'cpu', not 'cuda': use CrossbowAccelerator"):
+        type(cpu)("cuda")
+    assert type(cpu)().device_type == "cpu"
 
 
 @pytest.mark.parametrize(
