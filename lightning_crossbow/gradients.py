@@ -14,7 +14,9 @@ the mean of its replicas' gradients, set whenever backward accumulates into the 
 at z, and :math:`\\bar g` is exactly the gradient at z of the mean loss over the step's k batches:
 what plain Lightning shows for one batch of ``k`` times the size.
 
-A change that those hooks make to :math:`\\bar g` (in place, or a new ``.grad``) is given to every replica:
+The mean is over the replicas that take the step (a replica that skips it, or whose loss is not finite, is left
+out of both). A change that those hooks make to :math:`\\bar g` (in place, through ``.data``, or a new ``.grad``) is
+given to every replica:
 
 .. math::
 
@@ -55,46 +57,65 @@ def hooks_read_gradients(module: pl.LightningModule, callbacks: Iterable[pl.Call
 class MeanGradients:
     """Sets ``module``'s parameter ``name``'s ``.grad`` to the mean over rows of ``stacked[name].grad`` every time
     backward accumulates into it (post-accumulate-grad hooks on the stacked leaves), until :meth:`remove`; and gives
-    the replicas what hooks changed in it (:meth:`apply_changes_`)."""
+    the replicas what hooks changed in it (:meth:`apply_changes_`). The mean is over the replicas that take the
+    step (:attr:`rows`): one that skips it or diverged is left out, as it is left out of the step."""
 
     def __init__(self, module: nn.Module, stacked: Mapping[str, Tensor]) -> None:
         self._pairs = [(module.get_parameter(name), leaf) for name, leaf in stacked.items()]
-        #: per pair: the ``.grad`` shown (or None) and its version counter then, to see changes made in place
-        self._shown: list[tuple[Optional[Tensor], int]] = [(None, 0)] * len(self._pairs)
+        #: per pair: the ``.grad`` shown (or None), and a copy of it, to see any change (``.data`` edits included)
+        self._shown: list[Optional[Tensor]] = [None] * len(self._pairs)
+        self._copies: list[Optional[Tensor]] = [None] * len(self._pairs)
+        #: the replicas that take this step (a bool mask over rows); None: all of them
+        self.rows: Optional[Tensor] = None
         self._handles = [
             leaf.register_post_accumulate_grad_hook(partial(self._show, index))
             for index, (_, leaf) in enumerate(self._pairs)
         ]
 
+    def _mean(self, leaf: Tensor) -> Optional[Tensor]:
+        """The mean over :attr:`rows` of ``leaf``'s gradient (over all rows when none takes the step)."""
+        if leaf.grad is None:
+            return None
+        if self.rows is None or not bool(self.rows.any()):
+            return leaf.grad.mean(0)
+        return leaf.grad[self.rows].mean(0)
+
     def _show(self, index: int, _leaf: Optional[Tensor] = None) -> None:
         parameter, leaf = self._pairs[index]
-        grad = None if leaf.grad is None else leaf.grad.mean(0)
+        grad = self._mean(leaf)
         parameter.grad = grad
-        self._shown[index] = (grad, 0 if grad is None else grad._version)
+        self._shown[index], self._copies[index] = grad, None if grad is None else grad.clone()
 
     def refresh(self) -> None:
         """Sets every mean again from the stacked gradients as they are now (after a gradient scaler
-        unscaled them in place, before ``on_before_optimizer_step``)."""
+        unscaled them in place, before ``on_before_optimizer_step``; after clipping)."""
         for index in range(len(self._pairs)):
             self._show(index)
 
+    def clear(self) -> None:
+        """No gradient on the module's parameters, as after plain Lightning's ``zero_grad`` at a step's start."""
+        for index, (parameter, _) in enumerate(self._pairs):
+            parameter.grad = None
+            self._shown[index] = self._copies[index] = None
+        self.rows = None
+
     @torch.no_grad()
     def apply_changes_(self) -> None:
-        """Gives every replica's gradient the change that hooks made to the mean shown on the module's parameter
+        """Gives the replicas' gradients the change that hooks made to the mean shown on the module's parameters
         (see the module's docstring), and shows the new mean."""
         for index, (parameter, leaf) in enumerate(self._pairs):
-            shown, version = self._shown[index]
-            grad = parameter.grad
-            if grad is shown and (grad is None or grad._version == version):
+            grad, shown, copy = parameter.grad, self._shown[index], self._copies[index]
+            if grad is shown and (grad is None or _same_bits(grad, copy)):
                 continue
             if grad is None:
                 leaf.grad = None
             elif leaf.grad is None:
-                leaf.grad = grad.unsqueeze(0).expand_as(leaf).clone()  # (from a zero mean: every replica gets it)
+                leaf.grad = grad.unsqueeze(0).expand_as(leaf).clone()  # (from no gradient: every replica gets it)
             elif leaf.shape[0] == 1:
                 leaf.grad.copy_(grad.unsqueeze(0))
             else:
-                leaf.grad.add_((grad - leaf.grad.mean(0)).unsqueeze(0))  # (the mean shown, from the unchanged rows)
+                before = copy if copy is not None else self._mean(leaf)
+                leaf.grad.add_((grad - before).unsqueeze(0))
             self._show(index)
 
     def remove(self) -> None:
@@ -104,3 +125,10 @@ class MeanGradients:
         self._handles = []
         for parameter, _ in self._pairs:
             parameter.grad = None
+
+
+def _same_bits(tensor: Tensor, other: Optional[Tensor]) -> bool:
+    """Whether two tensors hold the same bits (NaN equal to the same NaN; changes made through ``.data`` seen)."""
+    if other is None or tensor.shape != other.shape or tensor.dtype != other.dtype:
+        return False
+    return torch.equal(tensor.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))

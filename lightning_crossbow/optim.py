@@ -72,19 +72,19 @@ def check_elementwise(optimizer: Optimizer, declared: Iterable[type[Optimizer]] 
         )
 
 
-def unfuse_(optimizer: Optimizer) -> bool:
-    """Sets ``fused=False`` in every param group that asked for ``fused=True``, and returns whether any did.
+def unfuse_(optimizer: Optimizer) -> list[int]:
+    """Sets ``fused=False`` in every param group that asked for ``fused=True``, and returns those groups' indices.
 
     PyTorch's fused optimizer kernels step non-contiguous parameters wrongly, and at ``k > 1`` a stacked
     ``(k, *shape)`` parameter is a non-contiguous view of its flat ``(k, N)`` buffer. Without ``fused`` the
     optimizer runs its ``foreach`` (or for-loop) implementation: the same update, one kernel per operation. A
     gradient scaler then unscales the gradients itself, as for any optimizer without fused kernels."""
-    fused = [group for group in optimizer.param_groups if group.get("fused")]
-    for group in fused:
-        group["fused"] = False
+    fused = [index for index, group in enumerate(optimizer.param_groups) if group.get("fused")]
+    for index in fused:
+        optimizer.param_groups[index]["fused"] = False
     if fused and getattr(optimizer, "_step_supports_amp_scaling", False):
         optimizer._step_supports_amp_scaling = False  # (only fused kernels take the scaler's grad_scale/found_inf)
-    return bool(fused)
+    return fused
 
 
 @torch.no_grad()

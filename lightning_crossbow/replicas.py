@@ -100,6 +100,7 @@ class ReplicaStack:
                 )
             )
             self._module_params.append([p for _, p in members])
+        self._held: set[str] = set()  #: parameters frozen during training, held as they are
         self._make_param_views()
         self.buffers: dict[str, Tensor] = {
             name: buf.detach().unsqueeze(0).repeat(num_replicas, *([1] * buf.dim()))
@@ -117,24 +118,26 @@ class ReplicaStack:
                 self.params[name] = leaf.requires_grad_(param.requires_grad)  # (a parameter frozen since: see below)
 
     @torch.no_grad()
-    def follow_requires_grad_(self) -> list[str]:
+    def follow_requires_grad_(self, hold: bool, at_mean: bool = False) -> None:
         """Each stacked leaf's ``requires_grad`` follows its module parameter's: a parameter frozen during training
-        is no longer trained, and one unfrozen again is. A parameter newly frozen is held at z: its replicas are set
-        to z, and z_prev to z, so that no averaging rule moves it (it stays as it is, as in plain Lightning), and its
-        gradient is dropped (the optimizer skips it). Returns the names of the parameters newly frozen."""
-        frozen = []
+        gets no more gradients, and one unfrozen again does. With ``hold`` (an optimizer step's start), a frozen
+        parameter not yet held is held: its replicas are set to z (``at_mean``: to their mean, for rules that keep
+        no z during training), z_prev to z, and its gradient is dropped, so that neither the optimizer nor any
+        averaging rule moves it (it stays as it is, as in plain Lightning). Between two accumulated batches, a
+        parameter frozen keeps the gradient it accumulated, which the step still takes, as in plain Lightning."""
         for bucket, module_params in zip(self.buckets, self._module_params):
             for (name, start, end, _), param in zip(bucket.slices(), module_params):
-                leaf = self.params[name]
-                if leaf.requires_grad == param.requires_grad:
-                    continue
-                leaf.requires_grad_(param.requires_grad)
-                if not param.requires_grad:
-                    leaf.grad = None
-                    bucket.replicas[:, start:end] = bucket.center[start:end]
+                leaf, trained = self.params[name], param.requires_grad
+                if leaf.requires_grad != trained:
+                    leaf.requires_grad_(trained)
+                if trained:
+                    self._held.discard(name)
+                elif hold and name not in self._held:
+                    rows = bucket.replicas[:, start:end]
+                    rows.copy_((rows.mean(0) if at_mean else bucket.center[start:end]).expand_as(rows))
                     bucket.center_prev[start:end] = bucket.center[start:end]
-                    frozen.append(name)
-        return frozen
+                    leaf.grad = None
+                    self._held.add(name)
 
     def _bind_center(self, module: nn.Module) -> None:
         """Makes ``module``'s trainable parameters views of the central buffers (z)."""

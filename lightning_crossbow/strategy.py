@@ -240,6 +240,7 @@ class CrossbowStrategy(DDPStrategy):
         self._final_state: Optional[dict[str, Any]] = None
         self._leaves_after_fit: list[Tensor] = []  #: the stacked leaves the optimizer steps, kept at teardown
         self._param_groups_seen = 0  #: the optimizer's param groups when last re-pointed at the replicas
+        self._unfused_groups: set[int] = set()  #: param groups made with fused=True that run without it
         self._frozen_at_start: list[tuple[str, torch.nn.Parameter]] = []  #: parameters without replicas
         self._step_started: Optional[float] = None
         self.samples_per_second: Optional[float] = None
@@ -406,6 +407,7 @@ class CrossbowStrategy(DDPStrategy):
             {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
             self.replicas_per_device,
         )
+        self._unfused_groups = set()
         self._unfuse_for_replicas(optimizer)
         self._param_groups_seen = len(optimizer.param_groups)
         self._frozen_at_start = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
@@ -463,9 +465,12 @@ class CrossbowStrategy(DDPStrategy):
 
     def _unfuse_for_replicas(self, optimizer: Optimizer) -> None:
         """With more than one replica, the optimizer's ``fused=True`` kernels are turned off for good
-        (:func:`~lightning_crossbow.optim.unfuse_`: they step the stacked parameters wrongly), with a warning."""
+        (:func:`~lightning_crossbow.optim.unfuse_`: they step the stacked parameters wrongly), with a warning. The
+        checkpoint's optimizer state over the module's parameters still asks for them (:meth:`optimizer_state`)."""
         assert self.stack is not None
-        if self.stack.num_replicas > 1 and unfuse_(optimizer):
+        unfused = unfuse_(optimizer) if self.stack.num_replicas > 1 else []
+        self._unfused_groups.update(unfused)
+        if unfused:
             rank_zero_warn(
                 f"crossbow: {type(optimizer).__name__}(fused=True) steps non-contiguous parameters wrongly (a PyTorch"
                 " limitation), and with more than one replica the stacked parameters are views of one flat buffer;"
@@ -583,17 +588,20 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
             # The first group made after set_replicas_per_device: resize before the step's corrections.
             self._resize_replicas(len(batch))
+        self._follow_trainable_parameters(step_starts=not self._gradients_pending)
         if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
-            self._follow_trainable_parameters()
+            if self._mean_gradients is not None:
+                self._mean_gradients.clear()  # (as zero_grad will clear the replicas' gradients)
             self._reset_if_lr_dropped()
 
-    def _follow_trainable_parameters(self) -> None:
-        """Follows what a callback or hook changed since the last optimizer step: a parameter frozen is no longer
-        trained and stays as it is (:meth:`~lightning_crossbow.replicas.ReplicaStack.follow_requires_grad_`), and one
-        unfrozen again is trained; a param group added to the optimizer steps the replicas. A parameter that was
-        frozen when training started has no replicas: unfreezing it is refused, with the reason."""
+    def _follow_trainable_parameters(self, step_starts: bool) -> None:
+        """Follows what a callback or hook changed since the last batch: a parameter frozen is no longer trained
+        and, from the next optimizer step on, stays as it is
+        (:meth:`~lightning_crossbow.replicas.ReplicaStack.follow_requires_grad_`); one unfrozen again is trained; a
+        param group added to the optimizer steps the replicas. A parameter that was frozen when training started
+        has no replicas: unfreezing it is refused, with the reason."""
         assert self.stack is not None
-        self.stack.follow_requires_grad_()
+        self.stack.follow_requires_grad_(hold=step_starts, at_mean=self.averaging.center_is_learner_mean)
         unfrozen = [name for name, param in self._frozen_at_start if param.requires_grad]
         if unfrozen:
             raise RuntimeError(
@@ -666,6 +674,9 @@ class CrossbowStrategy(DDPStrategy):
             self._step_skipped = output.skipped
         elif self._step_skipped is not None:
             self._step_skipped = None if output.skipped is None else self._step_skipped & output.skipped
+        if self._mean_gradients is not None:  # hooks see the mean over the replicas that take the step
+            taking = self._step_losses.isfinite() & (True if self._step_skipped is None else ~self._step_skipped)
+            self._mean_gradients.rows = None if bool(taking.all()) else taking
         self._gradients_pending = True
         if output.total is None:  # every replica skipped
             if self.world_size == 1:
@@ -1042,22 +1053,31 @@ class CrossbowStrategy(DDPStrategy):
         the replicas before and after the clipping (:meth:`MeanGradients.apply_changes_`). (Attributes of this plugin
         instance, removed at teardown.)"""
         plugin = self.precision_plugin
-        after_closure, clip_gradients = type(plugin)._after_closure, type(plugin)._clip_gradients
+        after_closure, configured_clipping = type(plugin)._after_closure, type(plugin)._clip_gradients
+        clip_gradients = type(plugin).clip_gradients
 
         def refreshed_then_after_closure(model: "pl.LightningModule", optimizer: Any) -> None:
             if self._mean_gradients is not None:
                 self._mean_gradients.refresh()
             after_closure(plugin, model, optimizer)
 
-        def clip_gradients_with_changes_applied(*args: Any, **kwargs: Any) -> None:
+        def configured_clipping_with_changes_applied(*args: Any, **kwargs: Any) -> None:
             if self._mean_gradients is not None:
                 self._mean_gradients.apply_changes_()
-            clip_gradients(plugin, *args, **kwargs)
+            configured_clipping(plugin, *args, **kwargs)
             if self._mean_gradients is not None:
                 self._mean_gradients.apply_changes_()
 
+        def changes_applied_then_clipped(*args: Any, **kwargs: Any) -> None:  # (self.clip_gradients)
+            if self._mean_gradients is not None:
+                self._mean_gradients.apply_changes_()  # (what configure_gradient_clipping changed before it)
+            clip_gradients(plugin, *args, **kwargs)
+            if self._mean_gradients is not None:
+                self._mean_gradients.refresh()  # (the clipped replicas' mean)
+
         plugin._after_closure = refreshed_then_after_closure  # type: ignore[method-assign]
-        plugin._clip_gradients = clip_gradients_with_changes_applied  # type: ignore[method-assign]
+        plugin._clip_gradients = configured_clipping_with_changes_applied  # type: ignore[method-assign]
+        plugin.clip_gradients = changes_applied_then_clipped  # type: ignore[method-assign]
 
     def _wait_for_device(self) -> None:
         """The balancer times this rank's work on the host: on CUDA, wait for the queued kernels first."""
@@ -1310,7 +1330,10 @@ class CrossbowStrategy(DDPStrategy):
         world size. Each rank's stacked state is kept beside it."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return central_state_dict(optimizer, self._stacked_leaves())  # this process's; see save_checkpoint
+        state = central_state_dict(optimizer, self._stacked_leaves())  # this process's; see save_checkpoint
+        for index in self._unfused_groups:  # (as the user made it: plain Lightning, or k=1, runs it fused)
+            state["param_groups"][index]["fused"] = True
+        return state
 
     def _stacked_leaves(self) -> list[Tensor]:
         """The stacked ``(k, *shape)`` leaves that the optimizer steps (the last fit's, after it)."""
@@ -1467,7 +1490,7 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device, self._k_next_group = self._k_next_group, None
         self._log_capture.clear()
         self._buffers_before_step.clear()
-        for patched in ("clip_grad_by_norm", "_after_closure", "_clip_gradients"):
+        for patched in ("clip_grad_by_norm", "_after_closure", "_clip_gradients", "clip_gradients"):
             vars(self.precision_plugin).pop(patched, None)
         if self._lightning_module is not None:
             vars(self._lightning_module).pop("_on_before_batch_transfer", None)

@@ -833,3 +833,76 @@ def test_a_param_group_added_during_training_trains_its_parameters() -> None:
         trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2).fit(
             AddsAParameterTwice(), loader(make_data())
         )
+
+
+class _EditsThenClipsInConfigureGradientClipping(Classifier):
+    """Lightning's documented pattern: change the gradients, then ``self.clip_gradients``."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **kwargs: Any) -> None:
+        for parameter in self.parameters():
+            parameter.grad.mul_(3.0)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+class _EditsThroughData(Classifier):
+    def on_after_backward(self) -> None:
+        self.net[0].weight.grad.data.mul_(0.0)  # (does not move the gradient's version counter)
+
+
+class _FreezesMidAccumulationAndScalesWhatItSees(Classifier):
+    """Freezes the first layer at batch 3 (between two accumulated batches) and doubles every gradient it is shown:
+    a frozen parameter must be shown no gradient from the next step on, as in plain Lightning."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 3:
+            self.net[0].weight.requires_grad_(False)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        for parameter in self.parameters():
+            if parameter.grad is not None:
+                parameter.grad.mul_(2.0)
+
+
+@pytest.mark.parametrize(
+    "make_model",
+    [_EditsThenClipsInConfigureGradientClipping, _EditsThroughData, _FreezesMidAccumulationAndScalesWhatItSees],
+    ids=["edit then self.clip_gradients", "edit through .data", "frozen mid-accumulation, shown no gradient"],
+)
+def test_gradient_changes_are_plain_lightnings_at_one_replica_in_harder_cases(make_model: Any) -> None:
+    assert_one_replica_is_plain_lightning(make_model, make_data(), accumulate_grad_batches=2)
+
+
+class _ClipsAndSkipsOrDiverges(Classifier):
+    """Zeroes the first layer's mean gradient in ``on_after_backward`` and clips them all; the replica of sample
+    ``odd`` skips the step (``"skip"``) or gets a NaN loss (``"nan"``)."""
+
+    def __init__(self, odd: Tensor, how: str) -> None:
+        super().__init__(optimizer="plain_sgd")
+        self.odd, self.how = odd, how
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        odd = torch.equal(batch[0][0], self.odd)
+        if odd and self.how == "skip":
+            return None
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if odd else loss
+
+    def on_after_backward(self) -> None:
+        self.net[0].weight.grad.zero_()
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+
+
+@pytest.mark.parametrize("how", ["skip", "nan"])
+def test_a_replica_left_out_of_the_step_is_left_out_of_the_mean_that_hooks_change(how: str) -> None:
+    """The hook zeroes the first layer's mean gradient over the replicas that take the step: with plain SGD, z's
+    first layer then does not move (a skipped replica's zero gradient in the mean would move it; a diverged one's
+    NaN would make every replica, and z, NaN)."""
+    data = make_data()
+    model = _ClipsAndSkipsOrDiverges(odd=data[8][0], how=how)  # (replica 1 of the first step)
+    before = model.net[0].weight.detach().clone()
+    strategy = CrossbowStrategy(replicas_per_device=2, engine="sequential")  # (scaled averaging: z takes each step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the NaN replica's warning)
+        trainer(strategy=strategy, max_steps=2).fit(model, loader(data))
+    torch.testing.assert_close(model.net[0].weight, before, rtol=0, atol=1e-7)
+    assert all(p.isfinite().all() for p in model.parameters())

@@ -90,6 +90,9 @@ def test_a_checkpoint_asking_for_fused_kernels_resumes_without_them(tmp_path: Pa
             Classifier(optimizer="adam_fused"), loader(make_data(num_samples=48)), ckpt_path=tmp_path / "plain.ckpt"
         )
     assert [group["fused"] for group in resumed.optimizers[0].param_groups] == [False]
+    resumed.save_checkpoint(tmp_path / "crossbow.ckpt")  # (over the module's parameters: as the user made it)
+    saved = torch.load(tmp_path / "crossbow.ckpt", weights_only=False)["optimizer_states"][0]
+    assert [group["fused"] for group in saved["param_groups"]] == [True]
 
 
 class _ReplicasAfterFirstStep(L.Callback):
