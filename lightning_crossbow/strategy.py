@@ -624,6 +624,7 @@ class CrossbowStrategy(DDPStrategy):
                     "crossbow: a param group added to the optimizer during training holds parameters that another"
                     " group already holds; every parameter may be in one group only."
                 )
+            self._unfuse_for_replicas(optimizer)  # (the new group may ask for fused kernels)
             self._param_groups_seen = len(optimizer.param_groups)
 
     def _reset_if_lr_dropped(self) -> None:
