@@ -92,13 +92,6 @@ class MeanGradients:
         for index in range(len(self._pairs)):
             self._show(index)
 
-    def clear(self) -> None:
-        """No gradient on the module's parameters, as after plain Lightning's ``zero_grad`` at a step's start."""
-        for index, (parameter, _) in enumerate(self._pairs):
-            parameter.grad = None
-            self._shown[index] = self._copies[index] = None
-        self.rows = None
-
     @torch.no_grad()
     def apply_changes_(self) -> None:
         """Gives the replicas' gradients the change that hooks made to the mean shown on the module's parameters

@@ -417,6 +417,7 @@ class CrossbowStrategy(DDPStrategy):
         self._expose_mean_gradients()
         if self._reads_gradients:
             self._refresh_mean_gradients_before_hooks()
+            self._show_gradients_zeroed_with_the_replicas(optimizer)
         if self.balancer is not None:
             if trainer.accumulate_grad_batches > 1:
                 raise ValueError(
@@ -590,8 +591,6 @@ class CrossbowStrategy(DDPStrategy):
             self._resize_replicas(len(batch))
         self._follow_trainable_parameters(step_starts=not self._gradients_pending)
         if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
-            if self._mean_gradients is not None:
-                self._mean_gradients.clear()  # (as zero_grad will clear the replicas' gradients)
             self._reset_if_lr_dropped()
 
     def _follow_trainable_parameters(self, step_starts: bool) -> None:
@@ -1047,6 +1046,19 @@ class CrossbowStrategy(DDPStrategy):
             MeanGradients(self.lightning_module, self.stack.params) if self._reads_gradients else None
         )
 
+    def _show_gradients_zeroed_with_the_replicas(self, optimizer: Optimizer) -> None:
+        """When the optimizer's ``zero_grad`` clears (or zeroes) the replicas' gradients, the module's parameters show
+        it too, as in plain Lightning, where they are the gradients ``zero_grad`` clears. (An attribute of this
+        optimizer instance, removed at teardown.)"""
+        zero_grad = type(optimizer).zero_grad
+
+        def zero_grad_shown(*args: Any, **kwargs: Any) -> None:
+            zero_grad(optimizer, *args, **kwargs)
+            if self._mean_gradients is not None:
+                self._mean_gradients.refresh()
+
+        optimizer.zero_grad = zero_grad_shown  # type: ignore[method-assign]
+
     def _refresh_mean_gradients_before_hooks(self) -> None:
         """A gradient scaler unscales the replicas' gradients between backward and ``on_before_optimizer_step``:
         the precision plugin's ``_after_closure`` (those hooks, then clipping) sets the mean gradients again
@@ -1493,6 +1505,10 @@ class CrossbowStrategy(DDPStrategy):
         self._buffers_before_step.clear()
         for patched in ("clip_grad_by_norm", "_after_closure", "_clip_gradients", "clip_gradients"):
             vars(self.precision_plugin).pop(patched, None)
+        for optimizer in self.optimizers:
+            vars(optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer).pop(
+                "zero_grad", None
+            )
         if self._lightning_module is not None:
             vars(self._lightning_module).pop("_on_before_batch_transfer", None)
         super().teardown()

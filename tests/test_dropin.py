@@ -906,3 +906,39 @@ def test_a_replica_left_out_of_the_step_is_left_out_of_the_mean_that_hooks_chang
         trainer(strategy=strategy, max_steps=2).fit(model, loader(data))
     torch.testing.assert_close(model.net[0].weight, before, rtol=0, atol=1e-7)
     assert all(p.isfinite().all() for p in model.parameters())
+
+
+class _GradientsSeenAroundZeroGrad(L.Callback):
+    """What the module's gradients are at ``on_before_zero_grad`` (the last step's) and at ``on_before_backward``
+    (none: ``zero_grad`` cleared them); its ``on_after_backward`` makes crossbow show gradients at all."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, list[Any]]] = []
+
+    def _record(self, hook: str, pl_module: L.LightningModule) -> None:
+        self.seen.append((hook, [None if p.grad is None else p.grad.clone() for p in pl_module.parameters()]))
+
+    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._record("on_before_zero_grad", pl_module)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
+        self._record("on_before_backward", pl_module)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record("on_after_backward", pl_module)
+
+
+def test_the_modules_gradients_are_cleared_when_zero_grad_clears_the_replicas() -> None:
+    seen = []
+    for strategy in ("auto", CrossbowStrategy(replicas_per_device=1)):
+        callback = _GradientsSeenAroundZeroGrad()
+        trainer(strategy=strategy, max_steps=3, callbacks=[callback]).fit(Classifier(), loader(make_data()))
+        seen.append(callback.seen)
+    plain, crossbow = seen
+    assert [hook for hook, _ in plain] == [hook for hook, _ in crossbow]
+    for (hook, expected), (_, got) in zip(plain, crossbow):
+        assert [g is None for g in expected] == [g is None for g in got], hook
+        for e, g in zip(expected, got):
+            if e is not None:
+                torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert any(hook == "on_before_zero_grad" and grads[0] is not None for hook, grads in plain)  # (not vacuous)
