@@ -778,9 +778,10 @@ class _FreezesTheFirstLayer(L.Callback):
 
 @pytest.mark.parametrize("algorithm", ["scaled_averaging", "sma", "gossip"])
 def test_a_parameter_frozen_during_training_stays_as_it_is_and_trains_again_once_unfrozen(algorithm: str) -> None:
-    assert_one_replica_is_plain_lightning(
-        Classifier, make_data(), epochs=3, callbacks=lambda: [_FreezesTheFirstLayer()]
-    )
+    if algorithm == "scaled_averaging":  # (the default rule, with one replica: plain Lightning's steps, bitwise)
+        assert_one_replica_is_plain_lightning(
+            Classifier, make_data(), epochs=3, callbacks=lambda: [_FreezesTheFirstLayer()]
+        )
     model, freezes = Classifier(), _FreezesTheFirstLayer()
     strategy = CrossbowStrategy(replicas_per_device=3, algorithm=algorithm)
     trainer(strategy=strategy, max_epochs=3, callbacks=[freezes]).fit(model, loader(make_data()))
