@@ -101,6 +101,12 @@ class ReplicaStack:
             )
             self._module_params.append([p for _, p in members])
         self._held: set[str] = set()  #: parameters frozen during training, held as they are
+        #: Every trainable parameter of the module, and its span ``(name, bucket, start, end)`` in the flat buffers.
+        self._trainable_params = [param for params in self._module_params for param in params]
+        self._trainable_spans = [
+            (name, bucket, start, end) for bucket in self.buckets for name, start, end, _ in bucket.slices()
+        ]
+        self._flags_seen = tuple(True for _ in self._trainable_params)  #: their requires_grad when last followed
         self._make_param_views()
         self.buffers: dict[str, Tensor] = {
             name: buf.detach().unsqueeze(0).repeat(num_replicas, *([1] * buf.dim()))
@@ -124,20 +130,24 @@ class ReplicaStack:
         parameter not yet held is held: its replicas are set to z (``at_mean``: to their mean, for rules that keep
         no z during training), z_prev to z, and its gradient is dropped, so that neither the optimizer nor any
         averaging rule moves it (it stays as it is, as in plain Lightning). Between two accumulated batches, a
-        parameter frozen keeps the gradient it accumulated, which the step still takes, as in plain Lightning."""
-        for bucket, module_params in zip(self.buckets, self._module_params):
-            for (name, start, end, _), param in zip(bucket.slices(), module_params):
-                leaf, trained = self.params[name], param.requires_grad
-                if leaf.requires_grad != trained:
-                    leaf.requires_grad_(trained)
-                if trained:
-                    self._held.discard(name)
-                elif hold and name not in self._held:
-                    rows = bucket.replicas[:, start:end]
-                    rows.copy_((rows.mean(0) if at_mean else bucket.center[start:end]).expand_as(rows))
-                    bucket.center_prev[start:end] = bucket.center[start:end]
-                    leaf.grad = None
-                    self._held.add(name)
+        parameter frozen keeps the gradient it accumulated, which the step still takes, as in plain Lightning.
+        Called at every batch: when no flag changed and nothing waits to be held, it only reads the flags."""
+        flags = tuple(param.requires_grad for param in self._trainable_params)
+        if flags == self._flags_seen and not (hold and len(self._held) < flags.count(False)):
+            return
+        self._flags_seen = flags
+        for (name, bucket, start, end), trained in zip(self._trainable_spans, flags):
+            leaf = self.params[name]
+            if leaf.requires_grad != trained:
+                leaf.requires_grad_(trained)
+            if trained:
+                self._held.discard(name)
+            elif hold and name not in self._held:
+                rows = bucket.replicas[:, start:end]
+                rows.copy_((rows.mean(0) if at_mean else bucket.center[start:end]).expand_as(rows))
+                bucket.center_prev[start:end] = bucket.center[start:end]
+                leaf.grad = None
+                self._held.add(name)
 
     def _bind_center(self, module: nn.Module) -> None:
         """Makes ``module``'s trainable parameters views of the central buffers (z)."""
