@@ -289,6 +289,15 @@ class ScaledAveraging(Averaging):
     - a number: that ``eta``.
 
     ``eta_t`` also warms up linearly from 1 over the first ``warmup_epochs`` (:func:`warmed_up`; 0: none).
+
+    With an optimizer whose step is linear in the gradients it has seen (SGD, with or without momentum, Nesterov or
+    weight decay), every learner starting each step at z, the mean of the ``d_j`` is the step that optimizer takes
+    on the mean of the learners' gradients, step after step (the mean of the momentum buffers follows the momentum
+    of the mean). One step of this rule is then the user's step on one batch of all ``K`` batches' samples at
+    ``eta`` times the learning rate (with ``mu = 0`` and batches of one size; up to rounding; BatchNorm statistics
+    and dropout draws stay each learner's own): ``"linear"`` is the linear scaling rule, and ``"adaptive"`` that
+    rule with ``eta`` measured.
+
     Costs beyond SMA (``"adaptive"``): one squared norm per learner, and two more numbers in the all-reduce
     of a float32 or float64 bucket's summed steps (an all-reduce of their own only when every bucket is 16-bit).
 

@@ -106,6 +106,28 @@ def test_one_learner_with_scaled_averaging_is_plain_lightning() -> None:
     assert_one_replica_is_plain_lightning(Classifier, make_data(num_samples=48))
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_nesterov_wd", "plain_sgd"])
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_scaled_averaging_with_the_linear_rule_is_plain_lightning_at_k_times_the_batch_and_the_lr(
+    optimizer: str, engine: str
+) -> None:
+    """With an optimizer linear in the gradients (SGD with or without momentum, Nesterov, weight decay), every
+    learner starting each step at z with its own momentum ``m_j``: ``d_j = -lr m_j``, and the mean of the ``m_j``
+    follows momentum on the mean gradient of the ``k`` batches. So ``eta = k`` is plain Lightning's step on one batch
+    of ``k b`` samples at ``k`` times the learning rate, up to rounding (no BatchNorm or dropout, whose statistics
+    and draws are per replica)."""
+    k, epochs = 4, 3
+    dataset = make_data(num_samples=96)  # 12 batches of 8: 3 steps of 4 per epoch, no batch left out
+    model = Classifier(optimizer=optimizer)
+    trainer(strategy=CrossbowStrategy(k, outer_lr="linear", engine=engine), max_epochs=epochs).fit(
+        model, loader(dataset)
+    )
+    plain = Classifier(optimizer=optimizer, lr=0.1 * k)
+    trainer(max_epochs=epochs).fit(plain, loader(dataset, batch_size=8 * k))
+    for (name, param), expected in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, msg=f"{name} differs from plain Lightning at k times the batch")
+
+
 def test_easgd_is_sma_without_central_momentum() -> None:
     dataset = make_data(num_samples=64)
     model, snapshot = Classifier(), ReplicaSnapshot()
