@@ -1,5 +1,6 @@
 """On a CUDA device: the streams engine, engine="auto"'s choice, the fused engine in bf16-mixed, the
-memory guard, and two GPUs over NCCL.
+memory guard, two GPUs over NCCL, and code written while no GPU was at hand (the accelerator's device type, the
+corrected embedding under vmap, z's buffers after every step).
 
 Every test here is skipped where there is no CUDA device (CI has none). On a GPU machine:
 ``python -m pytest tests/test_cuda.py``.
@@ -131,6 +132,91 @@ def test_two_gpus_over_nccl_keep_z_identical(tmp_path: Path, engine: str) -> Non
     ranks = [torch.load(tmp_path / f"rank{r}.pt", map_location="cpu") for r in range(2)]
     for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------- written without a GPU at hand: run these first on one
+class DeviceSeen(L.Callback):
+    """The device the module trains on (Lightning moves it back to the CPU at teardown)."""
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.device = pl_module.device
+
+
+@pytest.mark.parametrize(
+    ("device_type", "expected"), [("cpu", "cpu"), ("cuda", "cuda"), (None, "cuda")], ids=["cpu", "cuda", "None"]
+)
+def test_an_accelerator_given_a_device_type_trains_there_on_a_cuda_machine(device_type: Any, expected: str) -> None:
+    """``CrossbowAccelerator("cpu")`` keeps to the CPU where CUDA is available; ``"cuda"`` and None train on the GPU."""
+    seen = DeviceSeen()
+    fit = trainer(
+        accelerator=CrossbowAccelerator(device_type),
+        devices=1,
+        strategy=CrossbowStrategy(replicas_per_device=2),
+        callbacks=[seen],
+        max_steps=2,
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=32)))
+    assert seen.device.type == expected and fit.strategy.root_device.type == expected
+
+
+class TokenBag(Classifier):
+    """Token embeddings with a padding token (0, the last token of every sequence), averaged, then a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(20, 8, padding_idx=0)
+        self.net = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(self.embedding(x).mean(1))
+
+
+def test_an_embedding_with_padding_idx_runs_fused_on_cuda_as_it_runs_sequentially() -> None:
+    """The fused engine's corrected ``F.embedding`` (vmap's own rule trains the padding row of every replica but the
+    first) gives the sequential engine's values on CUDA too, and the padding row never trains."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 20, (48, 5), generator=generator)
+    x[:, -1] = 0
+    tokens = TensorDataset(x, torch.randint(0, 3, (48,), generator=generator))
+    runs = {}
+    for engine in ("fused", "sequential"):
+        runs[engine] = TokenBag()
+        fit = trainer(accelerator="cuda", devices=1, strategy=CrossbowStrategy(3, engine=engine), max_steps=4)
+        fit.fit(runs[engine], DataLoader(tokens, batch_size=4))
+        assert not runs[engine].embedding.weight[0].any()
+    for a, b in zip(runs["fused"].parameters(), runs["sequential"].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class BatchNormNet(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class BuffersAgainstReplicas(L.Callback):
+    """After every step: the largest difference between z's BatchNorm statistics and the replicas' mean."""
+
+    def __init__(self) -> None:
+        self.differences: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        z, stacked = dict(pl_module.named_buffers()), trainer.strategy.stack.buffers
+        for name in ("net.1.running_mean", "net.1.running_var"):
+            self.differences.append(float((z[name] - stacked[name].mean(0)).abs().max()))
+
+
+@pytest.mark.parametrize("engine", ["fused", "streams", "sequential"])
+def test_z_s_buffers_are_the_replicas_mean_after_every_step_on_cuda(engine: str) -> None:
+    check = BuffersAgainstReplicas()
+    fit = trainer(
+        accelerator="cuda", devices=1, strategy=CrossbowStrategy(3, engine=engine), max_epochs=2, callbacks=[check]
+    )
+    fit.fit(BatchNormNet(), loader(make_data(num_samples=96)))
+    assert len(check.differences) == 2 * 2 * 4  # two buffers, two epochs of four steps (12 batches, k=3)
+    assert max(check.differences) < 1e-6
 
 
 class WideRegressor(L.LightningModule):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_crossbow import CrossbowStrategy
 from tests.helpers import (
@@ -78,6 +81,51 @@ def test_an_optimizer_asking_for_fused_kernels_matches_the_reference_with_a_warn
         for j in range(k):
             torch.testing.assert_close(stacked[j], learners[j][index], msg=f"replica {j} differs in {name}")
     assert_one_replica_is_plain_lightning(lambda: Classifier(optimizer="adam_fused"), dataset)  # (fused kept)
+
+
+class _AsksForFusedKernels(Classifier):
+    def __init__(self, optimizer: str, fused: bool) -> None:
+        super().__init__()
+        self.kind, self.fused = optimizer, fused
+
+    def configure_optimizers(self) -> Any:
+        if self.kind == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=self.fused)
+        return torch.optim.Adam(self.parameters(), lr=0.01, fused=self.fused)
+
+
+@pytest.mark.parametrize(
+    "accelerator",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_fused_kernels_turned_off_under_a_gradient_scaler_train_as_an_optimizer_without_them(
+    optimizer: str, accelerator: str
+) -> None:
+    """Under float16 mixed precision the gradient scaler hands its scale to an optimizer with fused kernels, and
+    unscales the gradients itself for any other (whose step refuses a scale). With ``fused=True`` turned off at
+    k > 1, the run is the run of an optimizer that never asked for fused kernels. (On CPU, Lightning's
+    ``precision="16-mixed"`` becomes bf16 without a scaler: the plugin is given its CPU scaler here.)"""
+    runs = {}
+    for fused in (True, False):
+        snapshot = ReplicaSnapshot()
+        scaler = torch.amp.GradScaler(accelerator)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit = trainer(
+                accelerator=accelerator,
+                strategy=CrossbowStrategy(replicas_per_device=3),
+                plugins=[MixedPrecision("16-mixed", accelerator, scaler=scaler)],
+                max_epochs=2,
+                callbacks=[snapshot],
+            )
+            fit.fit(_AsksForFusedKernels(optimizer, fused), loader(make_data(num_samples=96)))
+        assert [group["fused"] for group in fit.optimizers[0].param_groups] == [False]
+        assert scaler.get_scale() > 1.0  # the scaler was at work
+        runs[fused] = snapshot.params
+    for name, value in runs[False].items():
+        assert torch.isfinite(value).all(), name
+        torch.testing.assert_close(runs[True][name], value, rtol=0, atol=0, msg=f"replicas differ in {name}")
 
 
 def test_a_checkpoint_asking_for_fused_kernels_resumes_without_them(tmp_path: Path) -> None:
