@@ -725,7 +725,9 @@ class CrossbowStrategy(DDPStrategy):
         if self.routing is not None:
             if replicas_per_device == self.tuned_replicas_per_device:
                 return
-        elif replicas_per_device == (self._grouped.num_replicas if self._grouped else self.replicas_per_device):
+        elif replicas_per_device == (
+            self._grouped.num_replicas if self._grouped is not None else self.replicas_per_device
+        ):
             return
         trainer = self._lightning_module._trainer if self._lightning_module is not None else None
         if self.stack is not None and self.accumulating:

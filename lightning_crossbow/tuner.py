@@ -49,7 +49,7 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_crossbow.validation import check_clock, check_int, check_real
@@ -99,7 +99,8 @@ class ReplicaAutoTuner(Callback):
             benchmarks/RESULTS.md) or ``"progress"`` (maximise the training loss's decrease per second).
         min_replicas, max_replicas: bounds on k (training starts at ``min_replicas`` at least, memory and the
             epoch's length permitting; no window is measured outside them).
-        window: steps per measurement.
+        window: steps per measurement, counted as Lightning counts a fit's batches: one per crossbow step of k
+            batches (with ``accumulate_grad_batches=n``, n of them make one optimizer step).
         warmup: steps after each change that are not measured.
         threshold: the gain that justifies one more replica: for ``"throughput"`` the samples/s the last
             replica added, as a fraction of the average replica's; for ``"progress"`` the relative gain
@@ -120,8 +121,10 @@ class ReplicaAutoTuner(Callback):
             this many windows' worth of steps, so that a choice made on noisy windows, or on conditions that
             changed, is revisited; ``None`` holds for good.
         clock: seconds as a float; tests inject one.
-        plot: where to save a PNG of k over time and samples/s per k when training ends (rank 0, needs
-            matplotlib): a path, ``None`` for ``<trainer.log_dir>/replica_tuning.png``, or ``False``.
+        plot: where to save a plot of k over time and samples/s per k when training ends (rank 0, needs
+            matplotlib): a file path (its suffix sets the format, as in matplotlib's ``savefig``: ``.png``,
+            ``.pdf``, ...; checked before training), ``None`` for ``<trainer.log_dir>/replica_tuning.png``, or
+            ``False``.
     """
 
     def __init__(
@@ -151,7 +154,7 @@ class ReplicaAutoTuner(Callback):
         if recheck_every is not None:
             check_int("recheck_every", recheck_every, note=" or None")
         check_clock(clock)
-        if plot is not None and plot is not False and not isinstance(plot, (str, os.PathLike)):
+        if plot is not None and plot is not False and (not isinstance(plot, (str, os.PathLike)) or not str(plot)):
             raise ValueError(
                 f"plot must be a path (str or os.PathLike), None (in the trainer's log_dir) or False, got {plot!r}."
             )
@@ -175,6 +178,7 @@ class ReplicaAutoTuner(Callback):
         # (training seconds, mean loss over replicas), in runs of consecutive steps: a skipped interval
         # (validation, an epoch's end) starts a new run.
         self._window_losses: list[list[tuple[float, float]]] = []
+        self._window_replicas: Optional[int] = None  # the k the window in progress measures (None: none yet)
         #: "progress": where the A-B-A is ("before", "trial", "after"; see ``_decide_progress``).
         self._phase: Literal["before", "trial", "after"] = "before"
         self._climb = Climb()  #: "throughput": the search (see ``_decide``)
@@ -193,21 +197,37 @@ class ReplicaAutoTuner(Callback):
                 f" {type(trainer.strategy).__name__}. Use Trainer(strategy='crossbow')."
             )
         trainer.strategy.restore_replicas_per_device = True  # a resumed run carries on with the tuned k
+        if self.plot:
+            _check_plot_path(Path(self.plot))
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Starts within ``[min_replicas, max_replicas]`` (at least ``min_replicas`` as far as the ceiling allows): no
-        window is measured outside them."""
+        window is measured outside them. What the tuner carries from before this fit (a checkpoint's state, or
+        this callback's earlier fit) goes on within this fit's bounds: a held k is trained at (clipped to the
+        bounds), a search whose k fall outside them starts again from the k training starts at, and a window
+        measured at another k than that starts again."""
         strategy = trainer.strategy
+        self._last_step_end = None  # the interval up to the first step holds the fit's set-up
         k = strategy.tuned_replicas_per_device
         self._room = strategy.replica_room()  # a collective: every rank starts training here
-        start = min(self.min_replicas, self._ceiling(k, strategy))
-        if self.chosen is None and k < start:
+        if self.chosen is not None:
+            start = self.chosen = min(max(self.chosen, self.min_replicas), self._ceiling(k, strategy))
+        else:
+            start = min(max(k, min(self.min_replicas, self._ceiling(k, strategy))), self.max_replicas)
+            if not self._search_within(self.min_replicas, self.max_replicas):
+                self._climb, self._phase, self._before, self._trial = Climb(), "before", None, None
+        if start != k:
             strategy.set_replicas_per_device(start)  # (every rank, at the same point)
-        elif k > self.max_replicas:  # (the strategy's replicas_per_device, or a resumed k, above the bound)
-            strategy.set_replicas_per_device(self.max_replicas)
-            if self.chosen is not None:
-                self.chosen = self.max_replicas  # (a resumed choice: the k the run now trains at)
+        if self._window_replicas != start:
+            self._new_window()
+
+    def _search_within(self, lowest: int, highest: int) -> bool:
+        """Whether every k the search in progress has judged or will judge lies in ``[lowest, highest]``."""
+        climb = self._climb
+        ks = [climb.low, climb.high, climb.probe, *climb.failed]
+        ks += [record.replicas_per_device for record in (self._before, self._trial) if record is not None]
+        return all(lowest <= k <= highest for k in ks if k is not None)
 
     @override
     def on_train_batch_end(
@@ -220,6 +240,7 @@ class ReplicaAutoTuner(Callback):
         now, last = self.clock(), self._last_step_end
         self._last_step_end = now
         self._steps_since_change += 1
+        self._window_replicas = strategy.tuned_replicas_per_device
         if self._steps_since_change <= self.warmup or last is None or strategy.engine_measuring:
             if self._window_losses and self._window_losses[-1]:
                 self._window_losses.append([])
@@ -228,10 +249,11 @@ class ReplicaAutoTuner(Callback):
         self._window_seconds += now - last
         self._window_samples += _work_of_step(strategy)
         self._window_steps += 1
-        if self.objective == "progress":
+        loss = _mean_loss(outputs) if self.objective == "progress" else None
+        if loss is not None:  # (None: every replica skipped the step)
             if not self._window_losses:
                 self._window_losses.append([])
-            self._window_losses[-1].append((self._window_seconds, _mean_loss(outputs)))
+            self._window_losses[-1].append((self._window_seconds, loss))
         if self._window_steps < self.window or strategy.accumulating:  # k changes right after an optimizer step
             return
         k = strategy.tuned_replicas_per_device  # in heterogeneous mode, the mean over ranks
@@ -270,7 +292,7 @@ class ReplicaAutoTuner(Callback):
     def _new_window(self) -> None:
         """Starts a measurement afresh: its warm-up steps first, then ``window`` counted steps."""
         self._steps_since_change = self._window_steps = self._window_samples = 0
-        self._window_seconds, self._window_losses = 0.0, []
+        self._window_seconds, self._window_losses, self._window_replicas = 0.0, [], None
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -283,6 +305,13 @@ class ReplicaAutoTuner(Callback):
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self.history:
+            if self.chosen is None and trainer.global_step > 0:
+                rank_zero_warn(
+                    f"crossbow ReplicaAutoTuner measured no window in this fit, so k stayed at"
+                    f" {trainer.strategy.replicas_per_device}: a window takes warmup + window = {self.warmup} +"
+                    f" {self.window} steps in a row, and an interval that holds validation or an epoch's end is not"
+                    " counted. Lower window or warmup, or validate less often."
+                )
             return
         # trainer.log_dir is a collective under several processes: every rank reads it.
         path = Path(self.plot) if self.plot else Path(trainer.log_dir or ".") / "replica_tuning.png"
@@ -486,6 +515,14 @@ class ReplicaAutoTuner(Callback):
             "climb": vars(self._climb).copy(),
             "before": vars(self._before).copy() if self._before else None,
             "trial": vars(self._trial).copy() if self._trial else None,
+            "window": {
+                "steps_since_change": self._steps_since_change,
+                "steps": self._window_steps,
+                "samples": self._window_samples,
+                "seconds": self._window_seconds,
+                "losses": [list(run) for run in self._window_losses],
+                "replicas": self._window_replicas,
+            },
         }
 
     @override
@@ -498,6 +535,13 @@ class ReplicaAutoTuner(Callback):
         self._climb = Climb(**state_dict.get("climb", {}))
         self._before = TuningRecord(**state_dict["before"]) if state_dict.get("before") else None
         self._trial = TuningRecord(**state_dict["trial"]) if state_dict.get("trial") else None
+        self._new_window()
+        window = state_dict.get("window")  # (the window in progress: its steps so far count on after a resume)
+        if window is not None:
+            self._steps_since_change, self._window_steps = window["steps_since_change"], window["steps"]
+            self._window_samples, self._window_seconds = window["samples"], window["seconds"]
+            self._window_losses = [[tuple(point) for point in run] for run in window["losses"]]
+            self._window_replicas = window["replicas"]
 
 
 def _work_of_step(strategy: Any) -> float:
@@ -505,10 +549,25 @@ def _work_of_step(strategy: Any) -> float:
     return strategy.samples_per_step or strategy.replicas_per_device
 
 
-def _mean_loss(outputs: Any) -> float:
-    """The step's training loss, mean over replicas (what the strategy reports as the step's loss)."""
-    loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-    return float(loss) if loss is not None else float("nan")
+def _mean_loss(outputs: Any) -> Optional[float]:
+    """The step's training loss, mean over replicas (what the strategy reports as the step's loss); None for a
+    step that every replica skipped (``training_step`` returned None: Lightning passes ``{}``)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return float(loss) if loss is not None else None
+
+
+def _check_plot_path(path: Path) -> None:
+    """Refuses, before training, a plot path that names a directory or lies under a file."""
+    if path.is_dir():
+        raise ValueError(
+            f"ReplicaAutoTuner(plot={str(path)!r}) names a directory; give the file to write, such as"
+            f" {str(path / 'replica_tuning.png')!r}."
+        )
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"ReplicaAutoTuner(plot={str(path)!r}) lies under {str(parent)!r}, which is a file.")
+            return
 
 
 def _slope(runs: list[list[tuple[float, float]]]) -> float:

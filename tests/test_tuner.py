@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -436,6 +437,118 @@ def test_a_run_resumed_mid_search_goes_on_with_the_same_search(tmp_path) -> None
     assert resumed_tuner.chosen == 4
 
 
+def test_a_run_resumed_from_an_epoch_end_in_the_middle_of_a_window_trains_at_the_same_k_every_step(tmp_path) -> None:
+    """The default epoch-end checkpoint falls inside a window (40 batches an epoch, windows of 1 + 7 steps): the
+    resumed tuner goes on with the steps that window had measured, so k changes at the same steps as in the
+    uninterrupted run, and the two runs train the same values."""
+
+    def run(ckpt_path: Optional[Path] = None) -> tuple[list[int], Classifier]:
+        clock, sizes = FakeClock(), _GroupSizes()
+        tuner = ReplicaAutoTuner(window=7, warmup=1, threshold=0.1, clock=clock, max_replicas=6, plot=False)
+        saves = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+        fit = trainer(
+            strategy=CrossbowStrategy(replicas_per_device=1),
+            callbacks=[clock, tuner, sizes, saves],
+            max_epochs=4,
+            enable_checkpointing=True,
+        )
+        model = Classifier()
+        fit.fit(model, loader(make_data(num_samples=320)), ckpt_path=ckpt_path)
+        return sizes.sizes, model
+
+    sizes, straight = run()
+    assert sizes[:22] == [1] * 8 + [2] * 8 + [3] * 6  # the first epoch (21 steps) ends in the window at k=3
+    resumed_sizes, resumed = run(tmp_path / "epoch=0.ckpt")
+    assert resumed_sizes == sizes[21:]
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_search_resumed_under_other_bounds_measures_no_window_outside_them(tmp_path) -> None:
+    """Stopped while probing k=3 (windows at 1 and 2), resumed with min_replicas=4: the search starts again from 4."""
+    tuner, fit = tuned_fit(tmp_path, max_steps=11)
+    assert [r.replicas_per_device for r in tuner.history] == [1, 2] and tuner._climb.probe == 3
+    fit.save_checkpoint(tmp_path / "searching.ckpt")
+    resumed, fit = tuned_fit(tmp_path, max_steps=60, ckpt_path=tmp_path / "searching.ckpt", min_replicas=4)
+    assert min(r.replicas_per_device for r in resumed.history[2:]) == 4
+    assert resumed.chosen == fit.strategy.replicas_per_device == 4
+
+
+def test_a_tuner_used_again_in_another_trainer_goes_on_at_its_choice_and_measures_afresh() -> None:
+    """Its held k is what the next fit trains at; a window that the last fit left half measured at k=3 is not
+    mixed with the new fit's steps at k=1: the new fit's first window measures k=1 alone."""
+    clock, sizes = FakeClock(), _GroupSizes()
+    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock, plot=False, recheck_every=None)
+    for max_steps in (60, 30):
+        fit = trainer(
+            strategy=CrossbowStrategy(replicas_per_device=1),
+            callbacks=[clock, tuner, sizes],
+            max_steps=max_steps,
+            max_epochs=-1,
+        )
+        fit.fit(Classifier(), loader(make_data(num_samples=800)))
+    assert tuner.chosen == 4 and set(sizes.sizes[-30:]) == {4}
+    clock = FakeClock()
+    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock, plot=False)
+    for max_steps in (13, 30):  # the first fit stops two steps into the window at k=3
+        fit = trainer(
+            strategy=CrossbowStrategy(replicas_per_device=1),
+            callbacks=[clock, tuner],
+            max_steps=max_steps,
+            max_epochs=-1,
+        )
+        fit.fit(Classifier(), loader(make_data(num_samples=800)))
+        clock.now += 1000.0  # time between the fits
+    rates = [(r.replicas_per_device, r.samples_per_sec) for r in tuner.history]
+    assert rates[2] == (1, pytest.approx(8 / step_seconds(1)))  # 8 samples a batch
+    assert all(rate == pytest.approx(8 * k / step_seconds(k)) for k, rate in rates)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, num_samples: int) -> None:
+        self.data = make_data(num_samples=num_samples)
+
+    def __iter__(self) -> Any:
+        return (self.data[i] for i in range(len(self.data)))
+
+
+def test_the_tuner_changes_k_over_a_loader_without_a_length() -> None:
+    clock, sizes = FakeClock(), _GroupSizes()
+    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock, plot=False)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[clock, tuner, sizes], max_steps=30)
+    fit.fit(Classifier(), DataLoader(_Stream(800), batch_size=8))
+    assert [r.replicas_per_device for r in tuner.history][:4] == [1, 2, 3, 4] and max(sizes.sizes) >= 4
+
+
+class _SkipsAStep(ScriptedLoss):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx == 7 else super().training_step(batch, batch_idx)
+
+
+def test_the_progress_objective_leaves_out_a_step_every_replica_skipped(tmp_path) -> None:
+    tuner, _ = tuned_fit(tmp_path, max_steps=40, objective="progress", model=_SkipsAStep())
+    assert len(tuner.history) >= 3 and all(math.isfinite(r.progress_per_sec) for r in tuner.history)
+
+
+def test_a_tuner_that_measured_no_window_says_so() -> None:
+    tuner = ReplicaAutoTuner(window=4, warmup=1, plot=False)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner], max_epochs=20)
+    with pytest.warns(UserWarning, match="ReplicaAutoTuner measured no window in this fit, so k stayed at 1"):
+        fit.fit(Classifier(), loader(make_data(), batch_size=80))  # one step an epoch: no interval counts
+
+
+def test_a_plot_path_that_cannot_be_written_is_refused_before_training(tmp_path) -> None:
+    (tmp_path / "a_file").write_text("")
+    for plot, message in (
+        (tmp_path, "names a directory; give the file to write, such as"),
+        (tmp_path / "a_file" / "tuning.png", "lies under .*a_file', which is a file"),
+    ):
+        fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[ReplicaAutoTuner(plot=plot)])
+        with pytest.raises(ValueError, match=message):
+            fit.fit(Classifier(), loader(make_data()))
+        assert fit.global_step == 0
+
+
 def test_the_tuner_needs_the_crossbow_strategy() -> None:
     with pytest.raises(TypeError, match="ReplicaAutoTuner tunes CrossbowStrategy's replicas_per_device"):
         trainer(callbacks=[ReplicaAutoTuner()]).fit(Classifier(), loader(make_data()))
@@ -456,6 +569,7 @@ def test_the_tuner_needs_the_crossbow_strategy() -> None:
         ({"look_ahead": "yes"}, "look_ahead must be True or False, got 'yes'"),
         ({"plot": True}, r"plot must be a path \(str or os.PathLike\), None \(in the trainer's log_dir\) or False"),
         ({"plot": 123}, "plot must be a path .*, got 123"),
+        ({"plot": ""}, "plot must be a path .*, got ''"),
         ({"clock": 5}, r"clock must be a function returning seconds \(as time.perf_counter\), got 5"),
     ],
 )
