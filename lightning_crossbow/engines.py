@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
 from lightning_crossbow.fused_layers import fusable_layers, fused_layers, fuses_on
+from lightning_crossbow.kept_tensors import KeptTensors
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack
 from lightning_crossbow.stateless import Reparametrizer
@@ -367,9 +368,18 @@ class FusedEngine(Engine):
 
         if self._fused_layers is None:
             self._fused_layers = fusable_layers(self.module, device)
-        with fused_layers(self._fused_layers, losses=fuses_on(device)), corrected_under_vmap():
-            losses, extras, logged, replaced = vmap(one_replica, in_dims=(0, 0, batch_dims), randomness="different")(
-                stack.params, stack.buffers, batch
+        kept = KeptTensors(self.module)
+        try:
+            with fused_layers(self._fused_layers, losses=fuses_on(device)), corrected_under_vmap():
+                losses, extras, logged, replaced = vmap(
+                    one_replica, in_dims=(0, 0, batch_dims), randomness="different"
+                )(stack.params, stack.buffers, batch)
+        finally:
+            escaped = kept.undo_escaped()
+        if escaped is not None:
+            raise NotFusableError(
+                f"training_step keeps tensors computed under vmap in {escaped}, where they would escape it (the"
+                " sequential engine keeps each replica's own); use engine='auto' or 'sequential'"
             )
         capture.add_stacked(recorded, logged)
         keep_replaced_buffers(stack, replaced)

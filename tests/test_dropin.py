@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 
 from lightning_crossbow import CrossbowStrategy
+from lightning_crossbow.engines import NotFusableError
 from tests.helpers import (
     BatchesSeen,
     Classifier,
@@ -292,6 +293,67 @@ def test_auto_falls_back_to_sequential_when_fusing_fails_at_a_later_step(model: 
         assert len(fell_back) == (engine == "auto")
     for a, b in zip(runs["auto"].parameters(), runs["sequential"].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _KeepsStepTensors(Classifier):
+    """Lightning 2's idioms for a step's tensors: kept on the module in ``training_step``, read by a later hook."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.outputs, self.by_name, self.epochs = where, [], {}, []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        correct = logits.argmax(1) == y
+        if self.where == "list":
+            self.outputs.append(correct)
+        elif self.where == "attribute":
+            self.last_correct = correct
+        else:
+            self.by_name[f"step {batch_idx}"] = correct
+        return F.cross_entropy(logits, y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.where == "attribute":
+            self.outputs.append(self.last_correct.clone())
+
+    def on_train_epoch_end(self) -> None:
+        kept = self.outputs if self.where != "dict" else list(self.by_name.values())
+        self.epochs.append(torch.cat(kept).float().mean())
+        self.outputs.clear()
+        self.by_name.clear()
+
+
+@pytest.mark.parametrize("where", ["list", "attribute", "dict"])
+def test_tensors_a_step_keeps_on_the_module_run_sequentially_under_auto_and_are_refused_by_fused(where: str) -> None:
+    """Under vmap they would escape (a later read fails inside PyTorch): auto undoes the fused attempt and runs
+    what the sequential engine runs (each replica's own tensors kept); fused names the attribute."""
+    runs = {}
+    for engine in ("auto", "sequential"):
+        runs[engine] = _KeepsStepTensors(where)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_epochs=2).fit(
+                runs[engine], loader(make_data(num_samples=64))
+            )
+        fell_back = [str(w.message) for w in record if "Falling back" in str(w.message)]
+        assert len(fell_back) == (engine == "auto")
+        assert all("keeps tensors computed under vmap in self." in message for message in fell_back)
+    assert len(runs["auto"].epochs) == 2 and torch.equal(
+        torch.stack(runs["auto"].epochs), torch.stack(runs["sequential"].epochs)
+    )
+    for a, b in zip(runs["auto"].parameters(), runs["sequential"].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    expected = {
+        "list": r"self\.outputs \(a list\)",
+        "attribute": r"self\.last_correct",
+        "dict": r"self\.by_name \(a dict\)",
+    }
+    with pytest.raises(NotFusableError, match=f"keeps tensors computed under vmap in {expected[where]}, where"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="fused"), max_steps=1).fit(
+            _KeepsStepTensors(where), loader(make_data(num_samples=64))
+        )
 
 
 class _Stream(torch.utils.data.IterableDataset):
