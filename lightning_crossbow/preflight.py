@@ -1,11 +1,16 @@
-"""Refusals and warnings before training: what crossbow's replicas would silently undo or outgrow, and why."""
+"""Before training: refusals and warnings (what crossbow's replicas would silently undo or outgrow, and why), and
+Lightning callbacks adapted to a step of k batches."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_crossbow.data import ReplicaGroup
 from lightning_crossbow.tuner import ReplicaAutoTuner
 
 
@@ -52,3 +57,31 @@ def warn_of_step_schedules_under_tuning(trainer: "pl.Trainer") -> None:
                 " trainer.estimated_stepping_batches, counted at the starting k) will not end with training."
                 " Use interval='epoch', or a fixed replicas_per_device."
             )
+
+
+def per_batch_of_the_group(measure: Callable[[Any], int]) -> Callable[[Any], int]:
+    """``measure`` (a function of one batch) summed over the batches of a crossbow step, which hooks receive as
+    the group of its k batches (:class:`~lightning_crossbow.data.ReplicaGroup`); any other batch is measured as
+    it is."""
+    if getattr(measure, "_crossbow_per_batch", False):
+        return measure
+
+    def over_the_group(batch: Any) -> int:
+        if isinstance(batch, ReplicaGroup):
+            return sum(measure(one) for one in batch)
+        return measure(batch)
+
+    over_the_group._crossbow_per_batch = True  # type: ignore[attr-defined]
+    return over_the_group
+
+
+def adapt_throughput_monitors(trainer: "pl.Trainer") -> None:
+    """Lightning's ``ThroughputMonitor`` counts a step's samples with the user's ``batch_size_fn`` (and items with
+    ``length_fn``), written for one batch: they count each batch of the step's group, summed."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, ThroughputMonitor):
+            callback.batch_size_fn = per_batch_of_the_group(callback.batch_size_fn)
+            if callback.length_fn is not None:
+                callback.length_fn = per_batch_of_the_group(callback.length_fn)

@@ -79,7 +79,11 @@ from lightning_crossbow.optim import (
     stacked_params,
     unfuse_,
 )
-from lightning_crossbow.preflight import check_callbacks, warn_of_step_schedules_under_tuning
+from lightning_crossbow.preflight import (
+    adapt_throughput_monitors,
+    check_callbacks,
+    warn_of_step_schedules_under_tuning,
+)
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack, resize_rows
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split, why_unroutable
 from lightning_crossbow.sigterm import SigtermVote
@@ -397,6 +401,7 @@ class CrossbowStrategy(DDPStrategy):
         check_elementwise(optimizer, self.elementwise_optimizers)
         check_callbacks(trainer)
         warn_of_step_schedules_under_tuning(trainer)
+        adapt_throughput_monitors(trainer)
         self._check_same_config_on_all_ranks()
         module = self.lightning_module
         if self.engine_name == "streams" and self._stream_pool() is None:

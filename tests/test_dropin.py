@@ -356,6 +356,23 @@ def test_tensors_a_step_keeps_on_the_module_run_sequentially_under_auto_and_are_
         )
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_lightnings_throughput_monitor_counts_each_batch_of_a_step_with_the_users_functions(k: int) -> None:
+    """Its ``batch_size_fn`` and ``length_fn`` are written for one batch; hooks receive a step's k batches."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.trainer.states import RunningStage
+
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), length_fn=lambda batch: batch[0].numel())
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=k), callbacks=[monitor], max_epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (it asks for flops_per_batch)
+        fit.fit(Classifier(), loader(make_data(num_samples=72)))  # 9 batches of 8 features 6 a sample
+    assert fit.global_step == 2 * 9 // k
+    assert monitor._samples[RunningStage.TRAINING] == 8 * k * fit.global_step
+    assert monitor._lengths[RunningStage.TRAINING] == 6 * 8 * k * fit.global_step
+    assert monitor._batches[RunningStage.TRAINING] == fit.global_step
+
+
 class _Stream(torch.utils.data.IterableDataset):
     """An iterable dataset without a length: the DataLoader over it has none either."""
 
