@@ -1,7 +1,8 @@
 """The gradients that hooks and callbacks see, and change: the mean over replicas, on the module's own parameters.
 
 Plain Lightning's ``on_after_backward``, ``on_before_optimizer_step`` and ``configure_gradient_clipping`` read
-(and may change) ``p.grad`` of the module's parameters (``lightning.pytorch.utilities.grad_norm`` reads them).
+(and may change) ``p.grad`` of the module's parameters (``lightning.pytorch.utilities.grad_norm`` reads them), and
+``on_train_batch_end`` and ``on_before_zero_grad`` still see the step's.
 Under crossbow the optimizer steps the stacked replicas, so the module's parameters (z) get no gradient of
 their own. While someone reads them, each module parameter's ``.grad`` is kept equal to
 
@@ -44,13 +45,21 @@ from torch import Tensor, nn
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 #: The module's own hook among them, which callbacks do not have.
 MODULE_GRADIENT_HOOKS = (*GRADIENT_HOOKS, "configure_gradient_clipping")
+#: Hooks that run after the optimizer step, where plain Lightning still shows the step's gradients (until the next
+#: step's ``zero_grad``): read there by the user's own code (Lightning's and crossbow's callbacks do not).
+HOOKS_AFTER_THE_STEP = ("on_train_batch_end", "on_before_zero_grad")
 
 
 def hooks_read_gradients(module: pl.LightningModule, callbacks: Iterable[pl.Callback]) -> bool:
-    """Whether the module or a callback has its own ``on_after_backward`` or ``on_before_optimizer_step``, or the
-    module its own ``configure_gradient_clipping``."""
-    return any(is_overridden(hook, module) for hook in MODULE_GRADIENT_HOOKS) or any(
-        is_overridden(hook, callback) for callback in callbacks for hook in GRADIENT_HOOKS
+    """Whether the module or a callback has its own ``on_after_backward`` or ``on_before_optimizer_step``, the module
+    its own ``configure_gradient_clipping``, or the module or a callback of the user's own (not Lightning's or
+    crossbow's) its own ``on_train_batch_end`` or ``on_before_zero_grad``."""
+    callbacks = list(callbacks)
+    users = [c for c in callbacks if not type(c).__module__.startswith(("lightning.", "lightning_crossbow."))]
+    return (
+        any(is_overridden(hook, module) for hook in (*MODULE_GRADIENT_HOOKS, *HOOKS_AFTER_THE_STEP))
+        or any(is_overridden(hook, callback) for callback in callbacks for hook in GRADIENT_HOOKS)
+        or any(is_overridden(hook, callback) for callback in users for hook in HOOKS_AFTER_THE_STEP)
     )
 
 

@@ -806,6 +806,35 @@ def test_what_gradient_hooks_change_in_the_modules_gradients_is_plain_lightnings
     assert_one_replica_is_plain_lightning(make_model.get(case, Classifier), make_data(), callbacks=callbacks)
 
 
+class _ReadsGradientsAfterTheStep(L.Callback):
+    """Records the first layer's gradient where plain Lightning still shows the step's: after it, and before the
+    next step's ``zero_grad``."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def _record(self, pl_module: L.LightningModule) -> None:
+        gradient = pl_module.net[0].weight.grad
+        self.seen.append(None if gradient is None else gradient.clone())
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._record(pl_module)
+
+    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._record(pl_module)
+
+
+def test_hooks_after_the_step_see_its_gradient_as_in_plain_lightning_at_one_replica() -> None:
+    seen = {}
+    for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=1))):
+        seen[name] = _ReadsGradientsAfterTheStep()
+        trainer(strategy=strategy, max_epochs=2, callbacks=[seen[name]]).fit(Classifier(), loader(make_data()))
+    assert len(seen["plain"].seen) == len(seen["crossbow"].seen) == 2 * (10 + 10)
+    assert sum(gradient is not None for gradient in seen["plain"].seen) > 30
+    for plain, ours in zip(seen["plain"].seen, seen["crossbow"].seen, strict=True):
+        assert (plain is None and ours is None) or torch.equal(plain, ours)
+
+
 class _ShiftsGradients(L.Callback):
     """Adds ``shift`` to every gradient of the module, in place: the gradient of ``shift * sum(p)`` added to the loss."""
 
