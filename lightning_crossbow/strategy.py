@@ -1043,9 +1043,9 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.reset_replicas_(self.lightning_module, skipped, buffers=False)
 
     def _expose_mean_gradients(self) -> None:
-        """While the module or a callback may read gradients (:func:`~lightning_crossbow.gradients.hooks_read_gradients`),
-        the module's parameters carry the replicas' mean gradient
-        (:class:`~lightning_crossbow.gradients.MeanGradients`); nothing is paid otherwise."""
+        """While the module or a callback may read gradients
+        (:func:`~lightning_crossbow.gradients.hooks_read_gradients`), the module's parameters carry the replicas'
+        mean gradient (:class:`~lightning_crossbow.gradients.MeanGradients`); nothing is paid otherwise."""
         assert self.stack is not None
         if self._mean_gradients is not None:
             self._mean_gradients.remove()
