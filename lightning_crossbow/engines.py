@@ -310,13 +310,16 @@ class FusedEngine(Engine):
     """All replicas in one batched computation: ``vmap`` over the stacked parameters, buffers and batches.
 
     A group whose batches cannot be stacked (a smaller last batch, differing non-tensor fields) runs
-    through the sequential engine for that step only.
+    through the sequential engine for that step only. With ``says_why`` (``engine="fused"``, chosen by the user),
+    a ``training_step`` that fails under ``vmap`` raises :class:`NotFusableError`, which says so and names the
+    engine that runs it, from the error itself.
     """
 
     name = "fused"
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, says_why: bool = False) -> None:
         super().__init__(module)
+        self.says_why = says_why
         self.sequential = SequentialEngine(module)  #: for groups whose batches cannot be stacked
         self._autocast_warned = False
         self._fused_layers: Optional[list[nn.Module]] = None  #: the layers run fused (found at the first step)
@@ -374,6 +377,13 @@ class FusedEngine(Engine):
                 losses, extras, logged, replaced = vmap(
                     one_replica, in_dims=(0, 0, batch_dims), randomness="different"
                 )(stack.params, stack.buffers, batch)
+        except Exception as error:
+            if not self.says_why or isinstance(error, (NotFusableError, torch.cuda.OutOfMemoryError)):
+                raise
+            raise NotFusableError(
+                f"training_step fails under torch.func.vmap ({type(error).__name__}: {_first_line(error)}), which"
+                " engine='fused' runs it under; engine='auto' runs such a step sequentially"
+            ) from error
         finally:
             escaped = kept.undo_escaped()
         if escaped is not None:
@@ -431,7 +441,7 @@ class FusedOrSequentialEngine(Engine):
             capture.clear()
             if isinstance(error, torch.cuda.OutOfMemoryError):
                 raise  # not a vmap failure: the strategy backs off one replica (the step left nothing behind)
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = _first_line(error)
             warnings.warn(
                 "crossbow: the training_step cannot run fused under torch.func.vmap"
                 f" ({type(error).__name__}: {reason}). Falling back to engine='sequential' for the rest of"
@@ -600,7 +610,7 @@ def make_engine(
     if name == "sequential" or num_replicas == 1:
         return SequentialEngine(module)
     if name == "fused":
-        return FusedEngine(module)
+        return FusedEngine(module, says_why=True)
     fused: Engine = SequentialEngine(module) if fused_failed else FusedOrSequentialEngine(module)
     if streams is None:
         return fused
@@ -617,6 +627,12 @@ STREAMS_NEED_CUDA = (
     "engine='streams' runs every replica on its own CUDA stream and needs a CUDA device; this run is on {device}."
     " Use engine='auto', 'fused' or 'sequential'."
 )
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none)."""
+    message = str(error).strip()
+    return message.splitlines()[0] if message else type(error).__name__
 
 
 def _engine_label(name: str, engine: Engine) -> str:

@@ -72,6 +72,17 @@ class ReplicaStack:
 
     def __init__(self, module: nn.Module, num_replicas: int) -> None:
         check_int("num_replicas", num_replicas)
+        lazy = [
+            name
+            for name, tensor in (*module.named_parameters(), *module.named_buffers())
+            if isinstance(tensor, nn.parameter.UninitializedTensorMixin)
+        ]
+        if lazy:
+            raise ValueError(
+                f"crossbow cannot replicate {', '.join(lazy)}: uninitialized (a lazy module's, such as nn.LazyLinear),"
+                " their shapes are known only after a first forward. Run the module once on an example batch before"
+                " fit (in its __init__ or setup), or give the layers their input sizes."
+            )
         self.num_replicas = num_replicas
         self.buckets: list[FlatBucket] = []
         self.params: dict[str, Tensor] = {}

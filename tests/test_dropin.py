@@ -295,6 +295,14 @@ def test_auto_falls_back_to_sequential_when_fusing_fails_at_a_later_step(model: 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_step_that_fails_under_vmap_is_named_as_such_by_the_fused_engine() -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="fused"), max_epochs=1)
+    with pytest.raises(NotFusableError, match=r"training_step fails under torch.func.vmap \(RuntimeError: ") as caught:
+        fit.fit(_ItemAtThirdStep(), loader(make_data(num_samples=128)))
+    assert "engine='auto' runs such a step sequentially" in str(caught.value)
+    assert isinstance(caught.value.__cause__, RuntimeError) and fit.global_step == 2  # (from its third step on)
+
+
 class _KeepsStepTensors(Classifier):
     """Lightning 2's idioms for a step's tensors: kept on the module in ``training_step``, read by a later hook."""
 

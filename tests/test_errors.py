@@ -115,6 +115,12 @@ class _Custom(Classifier):
         return MySGD(self.parameters(), lr=0.1)
 
 
+class _Lazy(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 3))
+
+
 class _NeverTrains(L.Callback):
     def on_train_batch_start(self, *args) -> None:
         raise AssertionError("training started")
@@ -127,6 +133,7 @@ class _NeverTrains(L.Callback):
         (_TwoOptimizers, RuntimeError, "exactly one optimizer from configure_optimizers, got several"),
         (_LBFGS, TypeError, "cannot use the optimizer LBFGS: it is not known to be element-wise"),
         (_Custom, TypeError, r"MySGD.*elementwise_optimizers=\[MySGD\]"),
+        (_Lazy, ValueError, r"cannot replicate net.0.weight, net.0.bias: uninitialized \(a lazy module's"),
     ],
 )
 def test_unsupported_training_setups_fail_before_training(model, error, pattern) -> None:
