@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
@@ -508,17 +509,28 @@ def test_hooks_see_the_mean_gradient_over_replicas(engine: str) -> None:
     assert all(p.grad is None for p in model.parameters())  # removed with the hooks when training ends
 
 
-def test_without_hooks_that_read_them_no_gradients_are_formed() -> None:
+def test_without_hooks_that_read_them_no_gradients_are_formed(tmp_path: Path) -> None:
+    """Lightning's own callbacks (a checkpoint, the progress bar) and hooks where plain Lightning shows no gradient
+    (an epoch's end) form none: the mean gradient is not computed."""
     model = Classifier()
     strategy = CrossbowStrategy(replicas_per_device=2)
     seen: list[bool] = []
 
-    class AfterStep(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+    class AtEpochEnd(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            seen.append(trainer.strategy._mean_gradients is None)
             seen.append(all(p.grad is None for p in pl_module.parameters()))
 
-    trainer(strategy=strategy, max_epochs=1, callbacks=[AfterStep()]).fit(model, loader(make_data(num_samples=32)))
-    assert seen and all(seen)
+    fit = trainer(
+        strategy=strategy,
+        max_epochs=2,
+        callbacks=[AtEpochEnd(), ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        enable_progress_bar=True,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+    )
+    fit.fit(model, loader(make_data(num_samples=32)))
+    assert len(seen) == 4 and all(seen)
 
 
 # --------------------------------------------------------------- a training_step's other outputs
