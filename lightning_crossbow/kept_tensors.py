@@ -15,8 +15,10 @@ not looked at.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 from torch import Tensor, nn
 
 try:
@@ -28,6 +30,14 @@ except ImportError:  # pragma: no cover - every supported PyTorch release has it
 
 
 _MISSING = object()
+
+
+@cache
+def _own_attributes(cls: type[nn.Module]) -> frozenset[str]:
+    """The attributes every instance of ``cls``'s framework base holds from its ``__init__`` (parameters, buffers,
+    submodules, hooks, Lightning's state): not the user's, and never a step's tensors."""
+    base = pl.LightningModule if issubclass(cls, pl.LightningModule) else nn.Module
+    return frozenset(vars(base()))
 
 
 def _escaped(value: Any, depth: int = 2) -> bool:
@@ -50,19 +60,19 @@ class KeptTensors:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.attributes = dict(vars(module))
+        own = _own_attributes(type(module))
+        self.attributes = {name: value for name, value in vars(module).items() if name not in own}
         self.list_lengths = {name: len(value) for name, value in self.attributes.items() if isinstance(value, list)}
-        self.dicts = {
-            name: dict(value)
-            for name, value in self.attributes.items()
-            if type(value) is dict  # (a user's dict; nn.Module keeps its own state in OrderedDicts)
-        }
+        self.dicts = {name: dict(value) for name, value in self.attributes.items() if type(value) is dict}
 
     def undo_escaped(self) -> Optional[str]:
         """Undoes what the step kept that holds ``vmap``'s tensors, and says where it was (None: nothing)."""
         kept: list[str] = []
         current = vars(self.module)
+        own = _own_attributes(type(self.module))
         for name, value in list(current.items()):
+            if name in own:
+                continue
             before = self.attributes.get(name, _MISSING)
             if value is not before:  # set during the step
                 if _escaped(value):
