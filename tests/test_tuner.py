@@ -387,23 +387,31 @@ def test_a_resumed_run_keeps_the_tuned_k(tmp_path) -> None:
     assert resumed.global_step == 80
 
 
+def _checkpointed_every_epoch(
+    tmp_path: Path, ckpt_path: Optional[Path], window: int, max_replicas: int, epochs: int, batches: int
+) -> tuple[list[int], Classifier]:
+    """A tuned fit from k=1 (warm-up 1) over ``batches`` batches of 8 an epoch, checkpointed at every epoch's end
+    into ``tmp_path`` (``epoch=N.ckpt``), or resumed from ``ckpt_path``; returns its steps' group sizes and z."""
+    clock, sizes = FakeClock(), _GroupSizes()
+    tuner = ReplicaAutoTuner(window=window, warmup=1, threshold=0.1, clock=clock, max_replicas=max_replicas, plot=False)
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1),
+        callbacks=[clock, tuner, sizes, saves],
+        max_epochs=epochs,
+        enable_checkpointing=True,
+    )
+    model = Classifier()
+    fit.fit(model, loader(make_data(num_samples=8 * batches)), ckpt_path=ckpt_path)
+    return sizes.sizes, model
+
+
 def test_a_checkpoint_taken_where_the_tuner_changes_k_resumes_with_the_new_k(tmp_path) -> None:
     """The tuner's first window ends on the first epoch's last step and moves k from 1 to 2 there; the epoch-end
     checkpoint resumes with k=2 from the next step on, as the uninterrupted run goes on: bitwise the same run."""
 
     def run(ckpt_path: Optional[Path] = None) -> tuple[list[int], Classifier]:
-        clock, sizes = FakeClock(), _GroupSizes()
-        tuner = ReplicaAutoTuner(window=9, warmup=1, threshold=0.1, clock=clock, max_replicas=2, plot=False)
-        saves = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
-        fit = trainer(
-            strategy=CrossbowStrategy(replicas_per_device=1),
-            callbacks=[clock, tuner, sizes, saves],
-            max_epochs=3,
-            enable_checkpointing=True,
-        )
-        model = Classifier()
-        fit.fit(model, loader(make_data(num_samples=80)), ckpt_path=ckpt_path)  # 10 batches per epoch
-        return sizes.sizes, model
+        return _checkpointed_every_epoch(tmp_path, ckpt_path, window=9, max_replicas=2, epochs=3, batches=10)
 
     sizes, straight = run()
     assert sizes[:10] == [1] * 10 and sizes[10] == 2  # k changed at the first epoch's end
@@ -443,18 +451,7 @@ def test_a_run_resumed_from_an_epoch_end_in_the_middle_of_a_window_trains_at_the
     uninterrupted run, and the two runs train the same values."""
 
     def run(ckpt_path: Optional[Path] = None) -> tuple[list[int], Classifier]:
-        clock, sizes = FakeClock(), _GroupSizes()
-        tuner = ReplicaAutoTuner(window=7, warmup=1, threshold=0.1, clock=clock, max_replicas=6, plot=False)
-        saves = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
-        fit = trainer(
-            strategy=CrossbowStrategy(replicas_per_device=1),
-            callbacks=[clock, tuner, sizes, saves],
-            max_epochs=4,
-            enable_checkpointing=True,
-        )
-        model = Classifier()
-        fit.fit(model, loader(make_data(num_samples=320)), ckpt_path=ckpt_path)
-        return sizes.sizes, model
+        return _checkpointed_every_epoch(tmp_path, ckpt_path, window=7, max_replicas=6, epochs=4, batches=40)
 
     sizes, straight = run()
     assert sizes[:22] == [1] * 8 + [2] * 8 + [3] * 6  # the first epoch (21 steps) ends in the window at k=3
