@@ -26,7 +26,7 @@ import statistics
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Optional
@@ -311,8 +311,7 @@ class FusedEngine(Engine):
 
     A group whose batches cannot be stacked (a smaller last batch, differing non-tensor fields) runs
     through the sequential engine for that step only. With ``says_why`` (``engine="fused"``, chosen by the user),
-    a ``training_step`` that fails under ``vmap`` raises :class:`NotFusableError`, which says so and names the
-    engine that runs it, from the error itself.
+    an error that ``training_step`` raises under ``vmap`` gets a note saying so, and which engine runs such steps.
     """
 
     name = "fused"
@@ -324,6 +323,7 @@ class FusedEngine(Engine):
         self._autocast_warned = False
         self._fused_layers: Optional[list[nn.Module]] = None  #: the layers run fused (found at the first step)
         self._wrong_layer: Optional[str] = None  #: why vmap gets a layer wrong ("" for none; found at the first step)
+        self.metrics = _metrics_of(module)  #: the module's torchmetrics metrics (walked once)
 
     def _warn_if_autocast(self, device: torch.device) -> None:
         """Mixed precision under vmap is partial: say so once."""
@@ -378,14 +378,19 @@ class FusedEngine(Engine):
                     one_replica, in_dims=(0, 0, batch_dims), randomness="different"
                 )(stack.params, stack.buffers, batch)
         except Exception as error:
-            if not self.says_why or isinstance(error, (NotFusableError, torch.cuda.OutOfMemoryError)):
-                raise
-            raise NotFusableError(
-                f"training_step fails under torch.func.vmap ({type(error).__name__}: {_first_line(error)}), which"
-                " engine='fused' runs it under; engine='auto' runs such a step sequentially"
-            ) from error
+            if (
+                self.says_why
+                and not isinstance(error, (NotFusableError, torch.cuda.OutOfMemoryError))
+                and hasattr(error, "add_note")  # (Python 3.11 on)
+            ):
+                error.add_note(
+                    "crossbow: this came from training_step run under torch.func.vmap (engine='fused'). Where vmap"
+                    " cannot run a step, engine='auto' runs it sequentially."
+                )
+            raise
         finally:
             escaped = kept.undo_escaped()
+        _check_no_escaped_metric_state(self.metrics)
         if escaped is not None:
             raise NotFusableError(
                 f"training_step keeps tensors computed under vmap in {escaped}, where they would escape it (the"
@@ -405,10 +410,12 @@ class FusedOrSequentialEngine(Engine):
     """Fused; on the first failure of the user's ``training_step`` under ``vmap``, sequential for good.
 
     Every fused step is guarded, not only the first: code that ``vmap`` cannot run may appear at any step
-    (a branch on ``batch_idx``, a callback that changes a layer). The failed attempt changes nothing: the
+    (a branch on ``batch_idx``, a callback that changes a layer). The failed attempt is undone: the
     replicas' buffers are restored from a copy taken before each fused step, the metrics' state and the
-    random number generators' (the attempt's dropout draws) are restored, and its logs are dropped; the
-    sequential run of that step is then the one ``engine="sequential"`` would have made.
+    random number generators' (the attempt's dropout draws) are restored, its logs are dropped, and what it kept
+    on the module is taken out (:mod:`~lightning_crossbow.kept_tensors`); the sequential run of that step is then
+    the one ``engine="sequential"`` would have made, unless the step changed other state of its own (a counter
+    elsewhere than on the module), which the attempt changed once already.
     """
 
     name = "auto"
@@ -418,7 +425,6 @@ class FusedOrSequentialEngine(Engine):
         self.fused = FusedEngine(module)
         self.sequential = self.fused.sequential
         self.active: Engine = self.fused
-        self._metrics = _metrics_of(module)  # walked once: a step only copies their attributes
         self._buffers = BufferSnapshot()  # the replicas' buffers before each fused step
 
     @override
@@ -428,11 +434,10 @@ class FusedOrSequentialEngine(Engine):
         if self.active is self.sequential:
             return self.sequential.run(stack, batches, args, capture)
         self._buffers.take(stack)
-        saved_metrics = {metric: dict(vars(metric)) for metric in self._metrics}
+        saved_metrics = {metric: dict(vars(metric)) for metric in self.fused.metrics}
         random_state = RandomState(_device_of(stack))
         try:
             output = self.fused.run(stack, batches, args, capture)
-            _check_no_escaped_metric_state(saved_metrics)
         except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
             self._buffers.restore_(stack)
             for metric, state in saved_metrics.items():
@@ -654,11 +659,11 @@ def _update_count(metric: nn.Module) -> int:
     return int(getattr(metric, "_update_count", 0))
 
 
-def _check_no_escaped_metric_state(saved_metrics: Mapping[nn.Module, dict[str, Any]]) -> None:
+def _check_no_escaped_metric_state(metrics: Iterable[nn.Module]) -> None:
     """A torchmetrics update under vmap stores per-replica (batched) tensors in the metric: refuse it."""
     from torch._C._functorch import is_functorch_wrapped_tensor
 
-    for metric in saved_metrics:
+    for metric in metrics:
         for name in getattr(metric, "_defaults", {}):
             values = getattr(metric, name)
             for value in values if isinstance(values, list) else [values]:

@@ -6,16 +6,23 @@ Under ``torch.func.vmap`` such a tensor is one of ``vmap``'s batched wrappers: o
 dead, and the first use of it fails inside PyTorch. The sequential engine keeps each replica's own tensor (k
 per step), as ``training_step`` would in a loop.
 
-:class:`KeptTensors` looks, after a fused step, at what the step changed in the LightningModule's own attributes:
-a tensor set as an attribute, a tensor appended to a list attribute, a tensor put into a dict attribute (one
-level down, as these idioms do). It undoes those changes and names the attribute, so that ``engine="auto"`` can
-run the step again sequentially; ``engine="fused"`` refuses it. Submodules' attributes and deeper containers are
-not looked at.
+:class:`KeptTensors` looks, after a fused step, through the LightningModule's own attributes (not its
+submodules'): an attribute set to such a tensor (or to a container holding one) is set back, or removed. A list,
+deque or dict that the module already held and that now holds such a tensor (two levels deep) is put back as it
+was, when it holds at most :data:`LOOKED_THROUGH` items (each step copies those); a larger one is looked at in its
+last items only, where appending puts new items (a dict keeps its keys in insertion order), and the tensors found
+there are taken out. So a tensor put in the place of an earlier item of a large container is not found. Where a
+step kept any, the rest of what it did to the module's attributes is undone too: an attribute it set is set back
+(a counter it raised), one it added is removed, and the small containers are put back. What it did elsewhere
+stays. ``engine="auto"`` then runs the step again sequentially; ``engine="fused"`` refuses it.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Reversible
 from functools import cache
+from itertools import islice
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -29,6 +36,8 @@ except ImportError:  # pragma: no cover - every supported PyTorch release has it
         return False
 
 
+#: Containers up to this many items are looked through whole; larger ones at their last this many.
+LOOKED_THROUGH = 64
 _MISSING = object()
 
 
@@ -36,58 +45,113 @@ _MISSING = object()
 def _own_attributes(cls: type[nn.Module]) -> frozenset[str]:
     """The attributes every instance of ``cls``'s framework base holds from its ``__init__`` (parameters, buffers,
     submodules, hooks, Lightning's state): not the user's, and never a step's tensors."""
-    base = pl.LightningModule if issubclass(cls, pl.LightningModule) else nn.Module
-    return frozenset(vars(base()))
+    if not issubclass(cls, pl.LightningModule):
+        return frozenset(vars(nn.Module()))
+    return frozenset(vars(pl.LightningModule())) | {
+        "_hparams",
+        "_hparams_initial",
+        "_hparams_name",
+    }  # (+ save_hyperparameters's)
+
+
+def _recent(items: Reversible[Any], length: int) -> list[Any]:
+    """The last :data:`LOOKED_THROUGH` of ``length`` items (all of them when there are no more), in order."""
+    if length <= LOOKED_THROUGH:
+        return list(items)
+    return list(islice(reversed(items), LOOKED_THROUGH))[::-1]
 
 
 def _escaped(value: Any, depth: int = 2) -> bool:
-    """Whether ``value`` is a tensor of a ``vmap`` (or another functorch transform), or a list, tuple or dict that
-    holds one (``depth`` levels down)."""
+    """Whether ``value`` is a tensor of a ``vmap`` (or another functorch transform), or a tuple, list, deque or dict
+    that holds one among its recent items, ``depth`` levels down."""
     if isinstance(value, Tensor):
         return is_functorch_wrapped_tensor(value)
     if depth == 0:
         return False
-    if isinstance(value, (list, tuple)):
-        return any(_escaped(item, depth - 1) for item in value)
+    if isinstance(value, (list, tuple, deque)):
+        return any(_escaped(item, depth - 1) for item in _recent(value, len(value)))
     if isinstance(value, dict):
-        return any(_escaped(item, depth - 1) for item in value.values())
+        return any(_escaped(item, depth - 1) for item in _recent(value.values(), len(value)))
     return False
 
 
+def _take_out(container: Any, depth: int = 2) -> bool:
+    """Takes the escaped tensors (and the tuples that hold one) out of the recent items of a list, deque or dict,
+    ``depth`` levels down, in place; whether it took any."""
+    took = False
+    if isinstance(container, dict):
+        for key in _recent(container.keys(), len(container)):
+            value = container[key]
+            if isinstance(value, (Tensor, tuple)) and _escaped(value, depth - 1):
+                del container[key]
+                took = True
+            elif depth > 1:
+                took |= _take_out(value, depth - 1)
+    elif isinstance(container, (list, deque)):
+        for index in reversed(range(max(0, len(container) - LOOKED_THROUGH), len(container))):
+            value = container[index]
+            if isinstance(value, (Tensor, tuple)) and _escaped(value, depth - 1):
+                del container[index]
+                took = True
+            elif depth > 1:
+                took |= _take_out(value, depth - 1)
+    return took
+
+
+def _copy(container: Any, depth: int = 2) -> Optional[tuple[Any, list[Any]]]:
+    """``(container, its items)`` for a list, deque or dict of at most :data:`LOOKED_THROUGH` items, with the
+    same for the containers among them, ``depth`` levels down; None for anything else."""
+    if depth == 0 or not isinstance(container, (list, deque, dict)) or len(container) > LOOKED_THROUGH:
+        return None
+    items = list(container.items()) if isinstance(container, dict) else list(container)
+    inner = [_copy(item[1] if isinstance(container, dict) else item, depth - 1) for item in items]
+    return container, list(zip(items, inner))
+
+
+def _put_back(copy: tuple[Any, list[Any]]) -> None:
+    """Puts a container (and the containers in it) back to what :func:`_copy` saw, in place."""
+    container, items = copy
+    container.clear()
+    if isinstance(container, dict):
+        container.update(item for item, _ in items)
+    else:
+        container.extend(item for item, _ in items)
+    for _, inner in items:
+        if inner is not None:
+            _put_back(inner)
+
+
 class KeptTensors:
-    """What the module's attributes held before a fused step: :meth:`undo_escaped` then finds and undoes the
-    tensors the step kept there."""
+    """The module's attributes before a fused step (and copies of its small containers): :meth:`undo_escaped` then
+    finds and undoes the tensors the step kept there."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         own = _own_attributes(type(module))
         self.attributes = {name: value for name, value in vars(module).items() if name not in own}
-        self.list_lengths = {name: len(value) for name, value in self.attributes.items() if isinstance(value, list)}
-        self.dicts = {name: dict(value) for name, value in self.attributes.items() if type(value) is dict}
+        self.copies = {name: _copy(value) for name, value in self.attributes.items()}
 
     def undo_escaped(self) -> Optional[str]:
-        """Undoes what the step kept that holds ``vmap``'s tensors, and says where it was (None: nothing)."""
-        kept: list[str] = []
-        current = vars(self.module)
+        """When the step kept ``vmap``'s tensors, undoes what it did to the module's attributes and says where they
+        were kept (None: nowhere, and nothing is undone)."""
         own = _own_attributes(type(self.module))
-        for name, value in list(current.items()):
-            if name in own:
-                continue
-            before = self.attributes.get(name, _MISSING)
-            if value is not before:  # set during the step
-                if _escaped(value):
-                    kept.append(f"self.{name}")
-                    if before is _MISSING:
-                        del current[name]
-                    else:
-                        current[name] = before
-            elif isinstance(value, list):
-                added = value[self.list_lengths[name] :] if len(value) >= self.list_lengths[name] else value
-                if _escaped(added):
-                    kept.append(f"self.{name} (a list)")
-                    value[:] = [item for item in value if not _escaped([item])]
-            elif name in self.dicts and _escaped(value):
-                kept.append(f"self.{name} (a dict)")
-                value.clear()
-                value.update(self.dicts[name])
-        return ", ".join(kept) or None
+        current = vars(self.module)
+        kept = [
+            f"self.{name}"
+            if value is not self.attributes.get(name, _MISSING)
+            else f"self.{name} (a {type(value).__name__})"
+            for name, value in current.items()
+            if name not in own and _escaped(value)
+        ]
+        if not kept:
+            return None
+        for name in [name for name in current if name not in own and name not in self.attributes]:
+            del current[name]  # (set by the step)
+        for name, before in self.attributes.items():
+            if current.get(name, _MISSING) is not before:
+                current[name] = before
+            elif self.copies[name] is not None:
+                _put_back(self.copies[name])
+            else:
+                _take_out(before)
+        return ", ".join(kept)

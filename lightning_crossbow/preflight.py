@@ -59,20 +59,23 @@ def warn_of_step_schedules_under_tuning(trainer: "pl.Trainer") -> None:
             )
 
 
-def per_batch_of_the_group(measure: Callable[[Any], int]) -> Callable[[Any], int]:
-    """``measure`` (a function of one batch) summed over the batches of a crossbow step, which hooks receive as
-    the group of its k batches (:class:`~lightning_crossbow.data.ReplicaGroup`); any other batch is measured as
-    it is."""
-    if getattr(measure, "_crossbow_per_batch", False):
-        return measure
+class PerBatchOfTheGroup:
+    """``measure`` (a function of one batch) summed over the batches of a crossbow step, which hooks receive as the
+    group of its k batches (:class:`~lightning_crossbow.data.ReplicaGroup`); any other batch is measured as it is.
+    (A class, not a closure: a callback holding it pickles as it did.)"""
 
-    def over_the_group(batch: Any) -> int:
+    def __init__(self, measure: Callable[[Any], int]) -> None:
+        self.measure = measure
+
+    def __call__(self, batch: Any) -> int:
         if isinstance(batch, ReplicaGroup):
-            return sum(measure(one) for one in batch)
-        return measure(batch)
+            return sum(self.measure(one) for one in batch)
+        return self.measure(batch)
 
-    over_the_group._crossbow_per_batch = True  # type: ignore[attr-defined]
-    return over_the_group
+
+def per_batch_of_the_group(measure: Callable[[Any], int]) -> Callable[[Any], int]:
+    """``measure`` as a :class:`PerBatchOfTheGroup` (once: one that already is stays as it is)."""
+    return measure if isinstance(measure, PerBatchOfTheGroup) else PerBatchOfTheGroup(measure)
 
 
 def adapt_throughput_monitors(trainer: "pl.Trainer") -> None:

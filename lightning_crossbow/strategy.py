@@ -597,6 +597,8 @@ class CrossbowStrategy(DDPStrategy):
         self._follow_trainable_parameters(step_starts=not self._gradients_pending)
         if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
             self._reset_if_lr_dropped()
+        elif self._mean_gradients is not None:  # what a hook changed since the last batch accumulates on
+            self._mean_gradients.apply_changes_()
 
     def _follow_trainable_parameters(self, step_starts: bool) -> None:
         """Follows what a callback or hook changed since the last batch: a parameter frozen is no longer trained

@@ -123,8 +123,8 @@ class ReplicaAutoTuner(Callback):
         clock: seconds as a float; tests inject one.
         plot: where to save a plot of k over time and samples/s per k when training ends (rank 0, needs
             matplotlib): a file path (its suffix sets the format, as in matplotlib's ``savefig``: ``.png``,
-            ``.pdf``, ...; checked before training), ``None`` for ``<trainer.log_dir>/replica_tuning.png``, or
-            ``False``.
+            ``.pdf``, ...; without one, ``.png`` is added; checked before training), ``None`` for
+            ``<trainer.log_dir>/replica_tuning.png``, or ``False``.
     """
 
     def __init__(
@@ -179,6 +179,7 @@ class ReplicaAutoTuner(Callback):
         # (validation, an epoch's end) starts a new run.
         self._window_losses: list[list[tuple[float, float]]] = []
         self._window_replicas: Optional[int] = None  # the k the window in progress measures (None: none yet)
+        self._windows_before_fit = self._step_at_fit_start = 0  # (set at each fit's start)
         #: "progress": where the A-B-A is ("before", "trial", "after"; see ``_decide_progress``).
         self._phase: Literal["before", "trial", "after"] = "before"
         self._climb = Climb()  #: "throughput": the search (see ``_decide``)
@@ -209,6 +210,7 @@ class ReplicaAutoTuner(Callback):
         measured at another k than that starts again."""
         strategy = trainer.strategy
         self._last_step_end = None  # the interval up to the first step holds the fit's set-up
+        self._windows_before_fit, self._step_at_fit_start = len(self.history), trainer.global_step
         k = strategy.tuned_replicas_per_device
         self._room = strategy.replica_room()  # a collective: every rank starts training here
         if self.chosen is not None:
@@ -304,15 +306,16 @@ class ReplicaAutoTuner(Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if not self.history:
-            if self.chosen is None and trainer.global_step > 0:
+        if len(self.history) == self._windows_before_fit:
+            if self.chosen is None and trainer.global_step > self._step_at_fit_start:
                 rank_zero_warn(
                     f"crossbow ReplicaAutoTuner measured no window in this fit, so k stayed at"
                     f" {trainer.strategy.replicas_per_device}: a window takes warmup + window = {self.warmup} +"
                     f" {self.window} steps in a row, and an interval that holds validation or an epoch's end is not"
                     " counted. Lower window or warmup, or validate less often."
                 )
-            return
+            if not self.history:
+                return
         # trainer.log_dir is a collective under several processes: every rank reads it.
         path = Path(self.plot) if self.plot else Path(trainer.log_dir or ".") / "replica_tuning.png"
         if trainer.is_global_zero:
@@ -557,7 +560,19 @@ def _mean_loss(outputs: Any) -> Optional[float]:
 
 
 def _check_plot_path(path: Path) -> None:
-    """Refuses, before training, a plot path that names a directory or lies under a file."""
+    """Refuses, before training, a plot path that names a directory, lies under a file, or whose suffix names a
+    format matplotlib does not write (where matplotlib is installed)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        formats = None
+    else:
+        formats = FigureCanvasBase.get_supported_filetypes()
+    if formats is not None and path.suffix and path.suffix[1:].lower() not in formats:
+        raise ValueError(
+            f"ReplicaAutoTuner(plot={str(path)!r}): matplotlib writes no {path.suffix!r} files; give one of"
+            f" {', '.join('.' + name for name in sorted(formats))}."
+        )
     if path.is_dir():
         raise ValueError(
             f"ReplicaAutoTuner(plot={str(path)!r}) names a directory; give the file to write, such as"

@@ -6,7 +6,10 @@ import copy
 import csv
 import gc
 import multiprocessing
+import pickle
+import sys
 import warnings
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.engines import NotFusableError
@@ -296,48 +300,94 @@ def test_auto_falls_back_to_sequential_when_fusing_fails_at_a_later_step(model: 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_step_that_fails_under_vmap_is_named_as_such_by_the_fused_engine() -> None:
-    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="fused"), max_epochs=1)
-    with pytest.raises(NotFusableError, match=r"training_step fails under torch.func.vmap \(RuntimeError: ") as caught:
-        fit.fit(_ItemAtThirdStep(), loader(make_data(num_samples=128)))
-    assert "engine='auto' runs such a step sequentially" in str(caught.value)
-    assert isinstance(caught.value.__cause__, RuntimeError) and fit.global_step == 2  # (from its third step on)
+class _RaisesItsOwnError(Classifier):
+    class BadBatch(ValueError):
+        pass
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            raise self.BadBatch("a batch the user's own check refuses")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came with Python 3.11")
+def test_an_error_under_vmap_keeps_its_type_and_says_where_it_came_from_under_the_fused_engine() -> None:
+    """PyTorch's own (a .item() that vmap cannot batch) and the user's alike: the type stays, so the user's
+    ``except`` still catches it, and a note says that engine='fused' ran the step under vmap."""
+    for model, error in ((_ItemAtThirdStep(), RuntimeError), (_RaisesItsOwnError(), _RaisesItsOwnError.BadBatch)):
+        fit = trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="fused"), max_epochs=1)
+        with pytest.raises(error) as caught:
+            fit.fit(model, loader(make_data(num_samples=128)))
+        assert type(caught.value) is error
+        assert any(
+            "crossbow: this came from training_step run under torch.func.vmap" in note
+            for note in caught.value.__notes__
+        )
 
 
 class _KeepsStepTensors(Classifier):
-    """Lightning 2's idioms for a step's tensors: kept on the module in ``training_step``, read by a later hook."""
+    """Lightning 2's idioms for a step's tensors: kept on the module in ``training_step``, read by a later hook
+    (``where`` says how); and a count of the steps, which a fused attempt that is undone must not raise."""
 
     def __init__(self, where: str) -> None:
         super().__init__()
-        self.where, self.outputs, self.by_name, self.epochs = where, [], {}, []
+        self.where, self.outputs, self.by_name, self.epochs, self.steps_seen = where, [], {}, [], 0
+        self.by_stage: dict[str, list[Tensor]] = {"train": []}
+        self.recent: deque[Tensor] = deque(maxlen=3)
+        self.slots: list[Any] = [None, None]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
         logits = self(x)
         correct = logits.argmax(1) == y
+        self.steps_seen += 1
         if self.where == "list":
             self.outputs.append(correct)
         elif self.where == "attribute":
             self.last_correct = correct
-        else:
+        elif self.where == "dict":
             self.by_name[f"step {batch_idx}"] = correct
+        elif self.where == "dict of lists":
+            self.by_stage["train"].append(correct)
+        elif self.where == "deque":
+            self.recent.append(correct)
+        else:  # an earlier item replaced
+            self.slots[batch_idx % 2] = correct
         return F.cross_entropy(logits, y)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.where == "attribute":
             self.outputs.append(self.last_correct.clone())
+        elif self.where in ("deque", "slot"):
+            self.outputs.append(
+                torch.cat([t for t in (self.recent if self.where == "deque" else self.slots) if t is not None])
+            )
 
     def on_train_epoch_end(self) -> None:
-        kept = self.outputs if self.where != "dict" else list(self.by_name.values())
+        kept = {"dict": list(self.by_name.values()), "dict of lists": self.by_stage["train"]}.get(
+            self.where, self.outputs
+        )
         self.epochs.append(torch.cat(kept).float().mean())
-        self.outputs.clear()
-        self.by_name.clear()
+        for container in (self.outputs, self.by_name, self.by_stage["train"]):
+            container.clear()
 
 
-@pytest.mark.parametrize("where", ["list", "attribute", "dict"])
+#: Where each idiom keeps its tensors, as the refusal names it.
+KEPT_IN = {
+    "list": r"self\.outputs \(a list\)",
+    "attribute": r"self\.last_correct",
+    "dict": r"self\.by_name \(a dict\)",
+    "dict of lists": r"self\.by_stage \(a dict\)",
+    "deque": r"self\.recent \(a deque\)",
+    "slot": r"self\.slots \(a list\)",
+}
+
+
+@pytest.mark.parametrize("where", list(KEPT_IN))
 def test_tensors_a_step_keeps_on_the_module_run_sequentially_under_auto_and_are_refused_by_fused(where: str) -> None:
-    """Under vmap they would escape (a later read fails inside PyTorch): auto undoes the fused attempt and runs
-    what the sequential engine runs (each replica's own tensors kept); fused names the attribute."""
+    """Under vmap they would escape (a later read fails inside PyTorch): auto undoes the fused attempt on the
+    module's attributes (its step count included) and runs what the sequential engine runs (each replica's own
+    tensors kept); fused names the attribute."""
     runs = {}
     for engine in ("auto", "sequential"):
         runs[engine] = _KeepsStepTensors(where)
@@ -349,20 +399,24 @@ def test_tensors_a_step_keeps_on_the_module_run_sequentially_under_auto_and_are_
         fell_back = [str(w.message) for w in record if "Falling back" in str(w.message)]
         assert len(fell_back) == (engine == "auto")
         assert all("keeps tensors computed under vmap in self." in message for message in fell_back)
-    assert len(runs["auto"].epochs) == 2 and torch.equal(
-        torch.stack(runs["auto"].epochs), torch.stack(runs["sequential"].epochs)
-    )
+    assert runs["auto"].steps_seen == runs["sequential"].steps_seen == 2 * 8  # two epochs of 8 batches
+    assert len(runs["auto"].epochs) == 2
+    assert torch.equal(torch.stack(runs["auto"].epochs), torch.stack(runs["sequential"].epochs))
     for a, b in zip(runs["auto"].parameters(), runs["sequential"].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    expected = {
-        "list": r"self\.outputs \(a list\)",
-        "attribute": r"self\.last_correct",
-        "dict": r"self\.by_name \(a dict\)",
-    }
-    with pytest.raises(NotFusableError, match=f"keeps tensors computed under vmap in {expected[where]}, where"):
+    with pytest.raises(NotFusableError, match=f"keeps tensors computed under vmap in {KEPT_IN[where]}, where"):
         trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="fused"), max_steps=1).fit(
             _KeepsStepTensors(where), loader(make_data(num_samples=64))
         )
+
+
+def test_tensors_kept_at_the_end_of_a_long_list_are_taken_out() -> None:
+    """A list longer than what each step copies is looked at in its last items, where appending puts them."""
+    model = _KeepsStepTensors("list")
+    model.on_train_epoch_end = lambda: None  # type: ignore[method-assign]  # (the list as training leaves it)
+    model.outputs.extend(torch.zeros(8, dtype=torch.bool) for _ in range(500))  # (kept from before the fit)
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=3).fit(model, loader(make_data(num_samples=64)))
+    assert len(model.outputs) == 500 + 2 * 3 and not any(is_functorch_wrapped_tensor(t) for t in model.outputs)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -371,7 +425,7 @@ def test_lightnings_throughput_monitor_counts_each_batch_of_a_step_with_the_user
     from lightning.pytorch.callbacks import ThroughputMonitor
     from lightning.pytorch.trainer.states import RunningStage
 
-    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), length_fn=lambda batch: batch[0].numel())
+    monitor = ThroughputMonitor(batch_size_fn=_samples_of, length_fn=_values_of)
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=k), callbacks=[monitor], max_epochs=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (it asks for flops_per_batch)
@@ -380,6 +434,15 @@ def test_lightnings_throughput_monitor_counts_each_batch_of_a_step_with_the_user
     assert monitor._samples[RunningStage.TRAINING] == 8 * k * fit.global_step
     assert monitor._lengths[RunningStage.TRAINING] == 6 * 8 * k * fit.global_step
     assert monitor._batches[RunningStage.TRAINING] == fit.global_step
+    pickle.loads(pickle.dumps(monitor))  # (as it pickled before: the functions are kept in a class, not a closure)
+
+
+def _samples_of(batch: Any) -> int:
+    return batch[0].size(0)
+
+
+def _values_of(batch: Any) -> int:
+    return batch[0].numel()
 
 
 class _Stream(torch.utils.data.IterableDataset):

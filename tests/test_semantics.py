@@ -413,6 +413,20 @@ def test_torchmetrics_in_training_step_falls_back_to_sequential_once_and_counts_
     assert sum("Falling back" in str(w.message) for w in record) == 1
     assert float(model.trainer.callback_metrics["samples"]) == 80  # every replica's samples, counted once
 
+    class WithAccuracy(Classifier):  # (an update that runs under vmap, keeping per-replica state)
+        def __init__(self) -> None:
+            super().__init__()
+            self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3, validate_args=False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.accuracy.update(self(batch[0]), batch[1])
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match="updates the torchmetrics metric MulticlassAccuracy, whose state cannot"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="fused"), max_steps=1).fit(
+            WithAccuracy(), loader(make_data())
+        )
+
 
 class _StepMetric(Classifier):
     """Logs a MeanMetric's forward (this batch's mean input) on step and its epoch value; keeps each batch's mean."""

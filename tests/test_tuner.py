@@ -532,6 +532,18 @@ def test_a_tuner_that_measured_no_window_says_so() -> None:
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner], max_epochs=20)
     with pytest.warns(UserWarning, match="ReplicaAutoTuner measured no window in this fit, so k stayed at 1"):
         fit.fit(Classifier(), loader(make_data(), batch_size=80))  # one step an epoch: no interval counts
+    with warnings.catch_warnings(record=True) as caught:  # a fit that measures windows...
+        warnings.simplefilter("always")
+        trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner], max_steps=12).fit(
+            Classifier(), loader(make_data(num_samples=400))
+        )
+    assert tuner.history and not [w for w in caught if "measured no window" in str(w.message)]
+    with pytest.warns(
+        UserWarning, match="ReplicaAutoTuner measured no window in this fit"
+    ):  # ...then one that does not
+        trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner], max_steps=3).fit(
+            Classifier(), loader(make_data(num_samples=400))
+        )
 
 
 def test_a_plot_path_that_cannot_be_written_is_refused_before_training(tmp_path) -> None:
@@ -539,6 +551,7 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_training(tmp_path)
     for plot, message in (
         (tmp_path, "names a directory; give the file to write, such as"),
         (tmp_path / "a_file" / "tuning.png", "lies under .*a_file', which is a file"),
+        (tmp_path / "tuning.xyz", r"matplotlib writes no '.xyz' files; give one of .*\.pdf, .*\.png"),
     ):
         fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[ReplicaAutoTuner(plot=plot)])
         with pytest.raises(ValueError, match=message):
