@@ -573,8 +573,8 @@ def test_hooks_see_the_mean_gradient_over_replicas(engine: str) -> None:
 
 
 def test_without_hooks_that_read_them_no_gradients_are_formed(tmp_path: Path) -> None:
-    """Lightning's own callbacks (a checkpoint, the progress bar) and hooks where plain Lightning shows no gradient
-    (an epoch's end) form none: the mean gradient is not computed."""
+    """Lightning's own callbacks (a checkpoint, the progress bar), a hook where plain Lightning shows no gradient
+    (an epoch's end) and one not made for gradients (a step's end) form none: the mean gradient is not computed."""
     model = Classifier()
     strategy = CrossbowStrategy(replicas_per_device=2)
     seen: list[bool] = []
@@ -583,6 +583,9 @@ def test_without_hooks_that_read_them_no_gradients_are_formed(tmp_path: Path) ->
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             seen.append(trainer.strategy._mean_gradients is None)
             seen.append(all(p.grad is None for p in pl_module.parameters()))
+
+        def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:  # (a step's end: a timer, a logger)
+            pass
 
     fit = trainer(
         strategy=strategy,
@@ -891,7 +894,7 @@ def test_what_gradient_hooks_change_in_the_modules_gradients_is_plain_lightnings
 
 class _ReadsGradientsAfterTheStep(L.Callback):
     """Records the first layer's gradient where plain Lightning still shows the step's: after it, and before the
-    next step's ``zero_grad``."""
+    next step's ``zero_grad`` (a hook made for gradients, so they are formed)."""
 
     def __init__(self) -> None:
         self.seen: list[Any] = []
