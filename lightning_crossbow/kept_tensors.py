@@ -41,17 +41,17 @@ LOOKED_THROUGH = 64
 _MISSING = object()
 
 
+#: What Lightning's ``save_hyperparameters`` sets on the module.
+_HYPERPARAMETERS = frozenset({"_hparams", "_hparams_initial", "_hparams_name"})
+
+
 @cache
 def _own_attributes(cls: type[nn.Module]) -> frozenset[str]:
     """The attributes every instance of ``cls``'s framework base holds from its ``__init__`` (parameters, buffers,
-    submodules, hooks, Lightning's state): not the user's, and never a step's tensors."""
+    submodules, hooks, Lightning's state), and Lightning's hyperparameters: not the user's, nor a step's tensors."""
     if not issubclass(cls, pl.LightningModule):
         return frozenset(vars(nn.Module()))
-    return frozenset(vars(pl.LightningModule())) | {
-        "_hparams",
-        "_hparams_initial",
-        "_hparams_name",
-    }  # (+ save_hyperparameters's)
+    return frozenset(vars(pl.LightningModule())) | _HYPERPARAMETERS
 
 
 def _recent(items: Reversible[Any], length: int) -> list[Any]:
