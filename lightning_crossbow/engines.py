@@ -377,7 +377,15 @@ class FusedEngine(Engine):
                 losses, extras, logged, replaced = vmap(
                     one_replica, in_dims=(0, 0, batch_dims), randomness="different"
                 )(stack.params, stack.buffers, batch)
+            escaped = kept.escaped()
+            if escaped is not None:
+                raise NotFusableError(
+                    f"training_step keeps tensors computed under vmap in {escaped}, where they would escape it (the"
+                    " sequential engine keeps each replica's own); use engine='auto' or 'sequential'"
+                )
+            _check_no_escaped_metric_state(self.metrics)
         except Exception as error:
+            kept.undo()  # (a step run again, sequentially or with fewer replicas, starts from the same attributes)
             if (
                 self.says_why
                 and not isinstance(error, (NotFusableError, torch.cuda.OutOfMemoryError))
@@ -388,14 +396,6 @@ class FusedEngine(Engine):
                     " cannot run a step, engine='auto' runs it sequentially."
                 )
             raise
-        finally:
-            escaped = kept.undo_escaped()
-        _check_no_escaped_metric_state(self.metrics)
-        if escaped is not None:
-            raise NotFusableError(
-                f"training_step keeps tensors computed under vmap in {escaped}, where they would escape it (the"
-                " sequential engine keeps each replica's own); use engine='auto' or 'sequential'"
-            )
         capture.add_stacked(recorded, logged)
         keep_replaced_buffers(stack, replaced)
         if skipped_all[0]:
@@ -412,10 +412,10 @@ class FusedOrSequentialEngine(Engine):
     Every fused step is guarded, not only the first: code that ``vmap`` cannot run may appear at any step
     (a branch on ``batch_idx``, a callback that changes a layer). The failed attempt is undone: the
     replicas' buffers are restored from a copy taken before each fused step, the metrics' state and the
-    random number generators' (the attempt's dropout draws) are restored, its logs are dropped, and what it kept
-    on the module is taken out (:mod:`~lightning_crossbow.kept_tensors`); the sequential run of that step is then
-    the one ``engine="sequential"`` would have made, unless the step changed other state of its own (a counter
-    elsewhere than on the module), which the attempt changed once already.
+    random number generators' (the attempt's dropout draws) are restored, its logs are dropped, and what it did to
+    the module's own attributes is undone (:mod:`~lightning_crossbow.kept_tensors`); the sequential run of that step
+    is then the one ``engine="sequential"`` would have made, unless the step changed other state of its own (a
+    counter elsewhere than on the module, items added to a long list), which the attempt changed once already.
     """
 
     name = "auto"

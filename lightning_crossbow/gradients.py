@@ -138,7 +138,10 @@ def _same_bits(tensor: Tensor, other: Optional[Tensor]) -> bool:
         return False
     size = tensor.numel() * tensor.element_size()
     as_int = next(dtype for dtype in _BIT_VIEWS if size % dtype.itemsize == 0)
-    bytes_, other_bytes = (t.contiguous().reshape(-1).view(torch.uint8) for t in (tensor, other))
+    try:
+        bytes_, other_bytes = (t.contiguous().reshape(-1).view(torch.uint8) for t in (tensor, other))
+    except RuntimeError:  # (a conjugate or negative view, a sparse tensor: compared by value)
+        return torch.equal(tensor, other)
     try:
         return torch.equal(bytes_.view(as_int), other_bytes.view(as_int))
     except RuntimeError:  # (a view whose offset into its storage does not align with the wider integers)

@@ -6,15 +6,16 @@ Under ``torch.func.vmap`` such a tensor is one of ``vmap``'s batched wrappers: o
 dead, and the first use of it fails inside PyTorch. The sequential engine keeps each replica's own tensor (k
 per step), as ``training_step`` would in a loop.
 
-:class:`KeptTensors` looks, after a fused step, through the LightningModule's own attributes (not its
-submodules'): an attribute set to such a tensor (or to a container holding one) is set back, or removed. A list,
-deque or dict that the module already held and that now holds such a tensor (two levels deep) is put back as it
-was, when it holds at most :data:`LOOKED_THROUGH` items (each step copies those); a larger one is looked at in its
-last items only, where appending puts new items (a dict keeps its keys in insertion order), and the tensors found
-there are taken out. So a tensor put in the place of an earlier item of a large container is not found. Where a
-step kept any, the rest of what it did to the module's attributes is undone too: an attribute it set is set back
-(a counter it raised), one it added is removed, and the small containers are put back. What it did elsewhere
-stays. ``engine="auto"`` then runs the step again sequentially; ``engine="fused"`` refuses it.
+:class:`KeptTensors` copies, before each fused step, the LightningModule's own attributes (not Lightning's, nor its
+submodules'), and the lists, deques and dicts among them of at most :data:`LOOKED_THROUGH` items (two levels
+down). After the step it looks for such tensors there: an attribute set to one, or a list, deque, dict or tuple
+holding one (a container of more items in its last :data:`LOOKED_THROUGH` only, where appending puts new items; a
+dict keeps its keys in insertion order). Where the attempt failed, for that or any other reason, what it did to
+those attributes is undone: an attribute it set is set back (a counter it raised), one it added is removed, the
+small containers are put back, and the ``vmap`` tensors are taken out of the larger ones' last items (other items
+it added to a larger container stay). ``engine="auto"`` then runs the step again sequentially; ``engine="fused"``
+refuses it. Not looked at: sets, other objects' attributes, a submodule's attributes, and an earlier item of a
+large container replaced (a tensor kept there still fails inside PyTorch).
 """
 
 from __future__ import annotations
@@ -77,9 +78,12 @@ def _escaped(value: Any, depth: int = 2) -> bool:
 
 def _take_out(container: Any, depth: int = 2) -> bool:
     """Takes the escaped tensors (and the tuples that hold one) out of the recent items of a list, deque or dict,
-    ``depth`` levels down, in place; whether it took any."""
+    ``depth`` levels down, in place (in a tuple, out of the lists, deques and dicts it holds); whether it took any."""
     took = False
-    if isinstance(container, dict):
+    if isinstance(container, tuple):
+        for value in container if depth > 1 else ():
+            took |= _take_out(value, depth - 1)
+    elif isinstance(container, dict):
         for key in _recent(container.keys(), len(container)):
             value = container[key]
             if isinstance(value, (Tensor, tuple)) and _escaped(value, depth - 1):
@@ -122,8 +126,8 @@ def _put_back(copy: tuple[Any, list[Any]]) -> None:
 
 
 class KeptTensors:
-    """The module's attributes before a fused step (and copies of its small containers): :meth:`undo_escaped` then
-    finds and undoes the tensors the step kept there."""
+    """The module's attributes before a fused step (and copies of its small containers): :meth:`escaped` then says
+    where the step kept ``vmap``'s tensors, and :meth:`undo` undoes what the step did to those attributes."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -131,27 +135,31 @@ class KeptTensors:
         self.attributes = {name: value for name, value in vars(module).items() if name not in own}
         self.copies = {name: _copy(value) for name, value in self.attributes.items()}
 
-    def undo_escaped(self) -> Optional[str]:
-        """When the step kept ``vmap``'s tensors, undoes what it did to the module's attributes and says where they
-        were kept (None: nowhere, and nothing is undone)."""
+    def _user_attributes(self) -> dict[str, Any]:
         own = _own_attributes(type(self.module))
-        current = vars(self.module)
+        return {name: value for name, value in vars(self.module).items() if name not in own}
+
+    def escaped(self) -> Optional[str]:
+        """Where the step kept ``vmap``'s tensors (None: nowhere)."""
         kept = [
             f"self.{name}"
             if value is not self.attributes.get(name, _MISSING)
             else f"self.{name} (a {type(value).__name__})"
-            for name, value in current.items()
-            if name not in own and _escaped(value)
+            for name, value in self._user_attributes().items()
+            if _escaped(value)
         ]
-        if not kept:
-            return None
-        for name in [name for name in current if name not in own and name not in self.attributes]:
-            del current[name]  # (set by the step)
+        return ", ".join(kept) or None
+
+    def undo(self) -> None:
+        """Undoes what the step did to the module's attributes: those it set are set back, those it added removed,
+        the small containers put back; then no ``vmap`` tensor is left in them (nor in a large container's last
+        items, nor in the containers a tuple holds)."""
+        current = vars(self.module)
+        for name in self._user_attributes():
+            if name not in self.attributes:
+                del current[name]  # (set by the step)
         for name, before in self.attributes.items():
-            if current.get(name, _MISSING) is not before:
-                current[name] = before
-            elif self.copies[name] is not None:
+            current[name] = before
+            if self.copies[name] is not None:
                 _put_back(self.copies[name])
-            else:
-                _take_out(before)
-        return ", ".join(kept)
+            _take_out(before)

@@ -335,6 +335,9 @@ class _KeepsStepTensors(Classifier):
         self.by_stage: dict[str, list[Tensor]] = {"train": []}
         self.recent: deque[Tensor] = deque(maxlen=3)
         self.slots: list[Any] = [None, None]
+        self.pair: tuple[list[Tensor], list[Tensor]] = ([], [])
+        self.history: dict[str, list[Any]] = {"correct": [None] * 100}  # (a long list in a small dict)
+        self.window: list[Tensor] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
@@ -351,8 +354,15 @@ class _KeepsStepTensors(Classifier):
             self.by_stage["train"].append(correct)
         elif self.where == "deque":
             self.recent.append(correct)
-        else:  # an earlier item replaced
+        elif self.where == "slot":  # an earlier item replaced
             self.slots[batch_idx % 2] = correct
+        elif self.where == "tuple of lists":
+            self.pair[0].append(correct)
+        elif self.where == "dict of a long list":
+            self.history["correct"].append(correct)
+        else:  # appended, then the attribute bound to a new list
+            self.window.append(correct)
+            self.window = self.window[-3:]
         return F.cross_entropy(logits, y)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -364,12 +374,17 @@ class _KeepsStepTensors(Classifier):
             )
 
     def on_train_epoch_end(self) -> None:
-        kept = {"dict": list(self.by_name.values()), "dict of lists": self.by_stage["train"]}.get(
-            self.where, self.outputs
-        )
+        kept = {
+            "dict": list(self.by_name.values()),
+            "dict of lists": self.by_stage["train"],
+            "tuple of lists": self.pair[0],
+            "dict of a long list": self.history["correct"][100:],
+            "rebound": self.window,
+        }.get(self.where, self.outputs)
         self.epochs.append(torch.cat(kept).float().mean())
-        for container in (self.outputs, self.by_name, self.by_stage["train"]):
+        for container in (self.outputs, self.by_name, self.by_stage["train"], self.pair[0]):
             container.clear()
+        del self.history["correct"][100:]
 
 
 #: Where each idiom keeps its tensors, as the refusal names it.
@@ -380,6 +395,9 @@ KEPT_IN = {
     "dict of lists": r"self\.by_stage \(a dict\)",
     "deque": r"self\.recent \(a deque\)",
     "slot": r"self\.slots \(a list\)",
+    "tuple of lists": r"self\.pair \(a tuple\)",
+    "dict of a long list": r"self\.history \(a dict\)",
+    "rebound": r"self\.window",
 }
 
 
@@ -408,6 +426,33 @@ def test_tensors_a_step_keeps_on_the_module_run_sequentially_under_auto_and_are_
         trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="fused"), max_steps=1).fit(
             _KeepsStepTensors(where), loader(make_data(num_samples=64))
         )
+
+
+class _CountsThenFailsUnderVmap(_ItemAtThirdStep):
+    """Counts its steps on the module, then (from the third step on) calls ``.item()``, which vmap cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps_seen, self.batches_seen = 0, []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.steps_seen += 1
+        self.batches_seen.append(batch_idx)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fused_attempt_that_fails_leaves_the_modules_attributes_as_they_were() -> None:
+    runs = {}
+    for engine in ("auto", "sequential"):
+        runs[engine] = _CountsThenFailsUnderVmap()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_epochs=1).fit(
+                runs[engine], loader(make_data(num_samples=64))
+            )
+    assert runs["sequential"].steps_seen == 8
+    assert runs["auto"].steps_seen == 2 + 4  # two fused steps (one call each), then two replicas a step
+    assert runs["auto"].batches_seen == [0, 1, 2, 2, 3, 3]  # (the failed fused attempt at step 2 undone)
 
 
 def test_tensors_kept_at_the_end_of_a_long_list_are_taken_out() -> None:
