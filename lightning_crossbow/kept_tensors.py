@@ -76,29 +76,27 @@ def _escaped(value: Any, depth: int = 2) -> bool:
     return False
 
 
+def _recent_slots(container: Any) -> list[tuple[Any, Any]]:
+    """``(key or index, item)`` of the recent items of a dict, list or deque (see :func:`_recent`); none for others."""
+    if isinstance(container, dict):
+        return [(key, container[key]) for key in _recent(container.keys(), len(container))]
+    if isinstance(container, (list, deque)):
+        return [(index, container[index]) for index in range(max(0, len(container) - LOOKED_THROUGH), len(container))]
+    return []
+
+
 def _take_out(container: Any, depth: int = 2) -> bool:
     """Takes the escaped tensors (and the tuples that hold one) out of the recent items of a list, deque or dict,
     ``depth`` levels down, in place (in a tuple, out of the lists, deques and dicts it holds); whether it took any."""
-    took = False
     if isinstance(container, tuple):
-        for value in container if depth > 1 else ():
+        return any([_take_out(value, depth - 1) for value in container]) if depth > 1 else False
+    took = False
+    for slot, value in reversed(_recent_slots(container)):  # (from the end: the indices before stay valid)
+        if isinstance(value, (Tensor, tuple)) and _escaped(value, depth - 1):
+            del container[slot]
+            took = True
+        elif depth > 1:
             took |= _take_out(value, depth - 1)
-    elif isinstance(container, dict):
-        for key in _recent(container.keys(), len(container)):
-            value = container[key]
-            if isinstance(value, (Tensor, tuple)) and _escaped(value, depth - 1):
-                del container[key]
-                took = True
-            elif depth > 1:
-                took |= _take_out(value, depth - 1)
-    elif isinstance(container, (list, deque)):
-        for index in reversed(range(max(0, len(container) - LOOKED_THROUGH), len(container))):
-            value = container[index]
-            if isinstance(value, (Tensor, tuple)) and _escaped(value, depth - 1):
-                del container[index]
-                took = True
-            elif depth > 1:
-                took |= _take_out(value, depth - 1)
     return took
 
 
