@@ -264,6 +264,7 @@ class CrossbowStrategy(DDPStrategy):
         #: :meth:`_fraction_as_steps`), else None.
         self._train_fraction: Optional[float] = None
         self._epoch_length_follows_k = False
+        self._k_changed_in_epoch = False  # (then a fractional val_check_interval is timed by batches: see below)
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
         self._group: Optional[list[Any]] = None  # the group of batches of the step in progress
@@ -583,8 +584,12 @@ class CrossbowStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
         trainer = self.lightning_module.trainer
+        if batch_idx == 0:
+            self._k_changed_in_epoch = False
         if (batch_idx == 0 and self._epoch_length_follows_k) or self._resumed_mid_pass():
             self._fit_epoch_length(trainer)  # Lightning counted the epoch's steps at another k
+        if self._times_validation_by_batches(trainer) and isinstance(batch, list):
+            self._time_fractional_validation(trainer, len(batch), batch_idx)
         assert self.stack is not None
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
             split = self.routing.split_at(self._grouped.current_group)
@@ -757,8 +762,40 @@ class CrossbowStrategy(DDPStrategy):
         else:
             self._grouped.num_replicas = self._k_next_group = replicas_per_device
             self._warn_of_skipped_batches()
+            self._k_changed_in_epoch = True
         self._epoch_length_follows_k = True
         self._fit_epoch_length(trainer)
+
+    def _times_validation_by_batches(self, trainer: "pl.Trainer") -> bool:
+        """Whether this epoch's k changed under a fractional ``val_check_interval`` and ``limit_train_batches`` (see
+        :meth:`_time_fractional_validation`)."""
+        return (
+            self._k_changed_in_epoch
+            and isinstance(trainer.val_check_interval, float)
+            and isinstance(self._train_limit(trainer), float)
+            and self.routing is None
+            and self._grouped is not None
+            and trainer.val_check_batch is not None
+            and math.isfinite(trainer.val_check_batch)
+        )
+
+    def _time_fractional_validation(self, trainer: "pl.Trainer", group_size: int, batch_idx: int) -> None:
+        """In an epoch whose k changed, a fractional ``val_check_interval`` f validates after each step whose batches
+        reach the next multiple of ``int(f N)`` (N: the epoch's batches; plain Lightning validates every ``int(f N)``
+        batches), and after the epoch's last step when that leaves one of the ``int(1 / f)`` checks undone (its
+        batches that fill no step would have reached it). Lightning validates every ``val_check_batch`` steps, a
+        count that no single k gives such an epoch: each step is told whether it is one."""
+        assert self._grouped is not None
+        interval = float(trainer.val_check_interval)
+        every = max(1, int(interval * int(self._grouped.batches_per_pass() * float(self._train_limit(trainer)))))
+        after = self._grouped.batches_taken  # (this step's group drawn)
+        checks_before = (after - group_size) // every
+        loop = trainer.fit_loop.epoch_loop
+        reaches = after // every > checks_before or (
+            loop.batch_progress.is_last_batch and checks_before < math.floor(1 / interval + 1e-9)
+        )
+        iteration = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
+        trainer.val_check_batch = iteration + 1 if reaches else iteration + 2  # (Lightning: (iteration + 1) % it == 0)
 
     def _warn_of_skipped_batches(self) -> None:
         """Warns when k now leaves more than a tenth of every epoch's batches out of its last, unfilled step."""
@@ -821,6 +858,7 @@ class CrossbowStrategy(DDPStrategy):
             isinstance(interval, float)
             and trainer.val_check_batch is not None
             and math.isfinite(trainer.val_check_batch)
+            and not self._times_validation_by_batches(trainer)  # (then the step in progress was told already)
         ):
             trainer.val_check_batch = max(1, int(epoch_length * interval))  # as Lightning sets it at an epoch's start
         fit_loop.max_batches = epoch_length

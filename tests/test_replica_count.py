@@ -354,7 +354,9 @@ class _Validations(L.Callback):
 
 
 def test_a_fraction_of_the_epoch_and_of_its_validation_interval_follow_a_change_of_k() -> None:
-    """limit_train_batches=0.5 of 64 batches is 32 batches whatever k; val_check_interval=0.5 halves the epoch's steps."""
+    """limit_train_batches=0.5 of 64 batches is 32 batches whatever k. val_check_interval=0.5 validates after every
+    16 of them: in the epoch whose k changed, after the step that reaches 16 (17 batches, the fifth step) and after
+    its last step (29 batches: the 3 that fill no step would have reached 32); later, every half of the steps."""
     change, validations = ChangeReplicas(at_step=1, new_k=4), _Validations()
     fit = trainer(
         strategy=CrossbowStrategy(replicas_per_device=1),
@@ -368,7 +370,52 @@ def test_a_fraction_of_the_epoch_and_of_its_validation_interval_follow_a_change_
     # epoch 0: 1 group at k=1, then 31 batches make 7 groups of 4; epochs 1 and 2: 8 groups of 4
     assert change.group_sizes == [1] + [4] * 7 + [4] * 8 * 2
     assert fit.global_step == 8 + 8 + 8
-    assert validations.at == [(0, 4), (0, 8), (1, 12), (1, 16), (2, 20), (2, 24)]
+    assert validations.at == [(0, 5), (0, 8), (1, 12), (1, 16), (2, 20), (2, 24)]
+
+
+class _BatchesAtValidation(L.Callback):
+    """The batches of the epoch trained when each validation starts, per epoch."""
+
+    def __init__(self) -> None:
+        self.trained: dict[int, int] = {}
+        self.at: dict[int, list[int]] = {}
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.trained[trainer.current_epoch] = self.trained.get(trainer.current_epoch, 0) + len(batch)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.at.setdefault(trainer.current_epoch, []).append(self.trained.get(trainer.current_epoch, 0))
+
+
+class _ChangesReplicasAt(L.Callback):
+    def __init__(self, changes: dict[int, int]) -> None:
+        self.changes = changes
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step in self.changes:
+            trainer.strategy.set_replicas_per_device(self.changes[trainer.global_step])
+
+
+def test_a_fractional_validation_interval_validates_at_its_fractions_of_the_batches_while_k_changes() -> None:
+    """80 batches, val_check_interval=0.25: plain Lightning validates after 20, 40, 60 and 80 of them. With k changed
+    four times in the first epoch, crossbow validates after the first step to reach each of them (and after the
+    epoch's last step, whose 79 batches leave one that fills no step); the next epochs, at one k, as plain."""
+    validations = _BatchesAtValidation()
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1),
+        callbacks=[_ChangesReplicasAt({3: 2, 8: 3, 12: 4, 17: 3}), validations],
+        max_epochs=2,
+        val_check_interval=0.25,
+        limit_val_batches=1,
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=640)), loader(make_data(num_samples=16)))
+    # epoch 0: 3 steps at k=1, 5 at k=2, 4 at k=3, 5 at k=4, 11 at k=3; its batches after each step run
+    # 1, 2, 3, 5, ..., 19, 22, ..., 37, 41, ..., 57, 60, ..., 75, 78
+    assert validations.at[0] == [22, 41, 60, 78]
+    assert validations.at[1] == [18, 36, 54, 72]  # (at k=3 throughout: every int(26 steps / 4) = 6, as Lightning)
 
 
 @pytest.mark.parametrize(("limit", "overfit"), [(0.8, False), (0.99, False), (0.3, True)])
