@@ -779,6 +779,11 @@ class CrossbowStrategy(DDPStrategy):
             and math.isfinite(trainer.val_check_batch)
         )
 
+    def _epoch_batches(self, fraction: float) -> int:
+        """The loader's batches an epoch takes under a fractional ``limit_train_batches``, as Lightning counts them."""
+        assert self._grouped is not None
+        return int(self._grouped.batches_per_pass() * fraction)
+
     def _time_fractional_validation(self, trainer: "pl.Trainer", group_size: int, batch_idx: int) -> None:
         """In an epoch whose k changed, a fractional ``val_check_interval`` f validates after each step whose batches
         reach the next multiple of ``int(f N)`` (N: the epoch's batches; plain Lightning validates every ``int(f N)``
@@ -787,7 +792,7 @@ class CrossbowStrategy(DDPStrategy):
         count that no single k gives such an epoch: each step is told whether it is one."""
         assert self._grouped is not None
         interval = float(trainer.val_check_interval)
-        every = max(1, int(interval * int(self._grouped.batches_per_pass() * float(self._train_limit(trainer)))))
+        every = max(1, int(interval * self._epoch_batches(float(self._train_limit(trainer)))))
         after = self._grouped.batches_taken  # (this step's group drawn)
         checks_before = (after - group_size) // every
         loop = trainer.fit_loop.epoch_loop
@@ -850,7 +855,7 @@ class CrossbowStrategy(DDPStrategy):
         elif limit == 1.0:
             epoch_length = self._grouped.groups_in_pass()
         elif self.routing is None:
-            epoch_length = self._grouped.groups_in(int(self._grouped.batches_per_pass() * limit))
+            epoch_length = self._grouped.groups_in(self._epoch_batches(limit))
         else:
             return  # (heterogeneous mode: a fraction of the common order is not supported; Lightning's count stays)
         interval = trainer.val_check_interval
@@ -1117,8 +1122,8 @@ class CrossbowStrategy(DDPStrategy):
         clip_gradients = type(plugin).clip_gradients
 
         def refreshed_then_after_closure(model: "pl.LightningModule", optimizer: Any) -> None:
-            if self._mean_gradients is not None:
-                self._mean_gradients.refresh()
+            if self._mean_gradients is not None and getattr(plugin, "scaler", None) is not None:
+                self._mean_gradients.refresh()  # (only a scaler changed the stacked gradients since they were shown)
             after_closure(plugin, model, optimizer)
 
         def configured_clipping_with_changes_applied(*args: Any, **kwargs: Any) -> None:
