@@ -398,13 +398,169 @@ def test_the_layers_are_restored_on_exit_and_on_error_and_left_alone_off_cpu() -
     net = _net()
     convolutions = [m for m in net.modules() if isinstance(m, nn.Conv1d)]
     with fl.fused_layers(fl.fusable_layers(net, CPU)):
-        assert all("_conv_forward" in vars(m) for m in convolutions)
-    assert not any("_conv_forward" in vars(m) for m in convolutions)
+        assert all("_conv_forward" in vars(m) for m in convolutions) and "forward" in vars(net)
+    assert not any("_conv_forward" in vars(m) for m in convolutions) and "forward" not in vars(net)
     with pytest.raises(RuntimeError, match="boom"), fl.fused_layers(fl.fusable_layers(net, CPU)):
         raise RuntimeError("boom")
-    assert not any("_conv_forward" in vars(m) for m in convolutions)
+    assert not any("_conv_forward" in vars(m) for m in convolutions) and "forward" not in vars(net)
     assert fl.fusable_layers(net, torch.device("cuda")) == []  # (nothing runs on it: only the device type is read)
     assert fl.fuses_on(CPU) and not fl.fuses_on(torch.device("cuda"))
+
+
+def _runs_taken(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of layers each run takes from now on."""
+    taken: list[int] = []
+
+    def counted(layers: Any, x: Any, original: Any = fl._run) -> Any:
+        ran = original(layers, x)
+        if ran is not None:
+            taken.append(ran[1])
+        return ran
+
+    monkeypatch.setattr(fl, "_run", counted)
+    return taken
+
+
+def _sequential_with_runs() -> nn.Sequential:
+    """Every layer type a run takes, around a LayerNorm, which runs as itself, between two runs."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Unflatten(1, (2, -1)),  # (n, 26) -> (n, 2, 13)
+        nn.Conv1d(2, 4, 3, stride=2, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv1d(4, 4, 3, bias=False),
+        nn.Flatten(),  # (n, 20)
+        nn.LayerNorm(20),
+        nn.Linear(20, 16),
+        *(kind() for kind in (nn.Identity, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh)),
+        *(kind() for kind in (nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus)),
+        nn.Unflatten(-1, (4, 4)),
+        nn.Flatten(-2, -1),
+        nn.Linear(16, 3, bias=False),
+    )
+
+
+def test_a_sequentials_runs_give_vmaps_values_and_gradients_outside_vmaps_dispatch(
+    monkeypatch: pytest.MonkeyPatch, fused_losses: list[tuple[int, ...]]
+) -> None:
+    net, k = _sequential_with_runs(), 4
+    params = {name: p.detach() + 0.1 * torch.randn(k, *p.shape) for name, p in net.named_parameters()}
+    params = {name: p.requires_grad_() for name, p in params.items()}
+    x, y = torch.randn(k, 5, 26), torch.randint(0, 3, (k, 5))
+    expected = _losses_and_grads(net, params, x, y)
+    taken = _runs_taken(monkeypatch)
+    convolutions, linears = _shapes_reaching(monkeypatch, "conv1d_over_replicas"), []
+    original_linear = fl.linear_over_replicas
+
+    def linear(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        linears.append((tuple(input.shape), torch._C._functorch.peek_interpreter_stack() is None))
+        return original_linear(input, weight, bias)
+
+    monkeypatch.setattr(fl, "linear_over_replicas", linear)
+    with fl.fused_layers(fl.fusable_layers(net, CPU), losses=True):
+        actual = _losses_and_grads(net, params, x, y)
+    assert taken == [5, 17]  # the LayerNorm between the runs ran as itself
+    assert convolutions == [(k, 5, 2, 13), (k, 5, 4, 7)]
+    assert linears == [((k, 5, 20), True), ((k, 5, 16), True)]  # computed with vmap's layer off the stack
+    assert fused_losses == [(k, 5, 3)]
+    torch.testing.assert_close(actual[0], expected[0])
+    for a, b in zip(actual[1], expected[1], strict=True):
+        torch.testing.assert_close(a, b)
+    assert "forward" not in vars(net)
+
+
+class DoubledLinear(nn.Linear):
+    def forward(self, input: Tensor) -> Tensor:
+        return 2 * super().forward(input)
+
+
+def test_layers_with_hooks_or_of_other_types_run_as_themselves_and_their_hooks_see_vmaps_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), DoubledLinear(8, 8), nn.Tanh(), nn.Linear(8, 3), nn.ReLU())
+    seen: list[tuple[int, ...]] = []
+    net[1].register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
+    params = _stacked(net, k=3)
+    x = torch.randn(3, 5, 6)
+
+    def run() -> Tensor:
+        return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+
+    expected = run()
+    taken = _runs_taken(monkeypatch)
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        actual = run()
+    assert taken == [1, 3]  # Linear; (the hooked ReLU and DoubledLinear as themselves) Tanh, Linear, ReLU
+    assert seen == [(5, 8), (5, 8)]  # one sample's shape, as vmap shows it, with and without fusing
+    torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [nn.Flatten(1, 0), nn.Flatten(0, 2), nn.Flatten(-3, -1), nn.Unflatten(1, (4, 4)), nn.Unflatten(-3, (3, -1))],
+    ids=["start after end", "end outside", "start outside", "sizes that do not fit", "dimension outside"],
+)
+def test_a_flatten_or_unflatten_outside_a_samples_dimensions_raises_pytorchs_error(
+    layer: nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sample is (4, 6) here: dimension -3 or 2 would name the replicas' dimension of the physical tensor."""
+    net = nn.Sequential(nn.Linear(6, 6), layer)
+    params, x = _stacked(net, k=3), torch.randn(3, 4, 6)
+
+    def error() -> tuple[type, str]:
+        with pytest.raises((RuntimeError, IndexError)) as raised:
+            vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+        return type(raised.value), str(raised.value)
+
+    expected = error()
+    taken = _runs_taken(monkeypatch)
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        assert error() == expected
+    assert taken == [1]  # the Linear; the layer itself raised
+
+
+def test_global_module_hooks_see_every_layer_as_without_fusing() -> None:
+    net = _net()
+    calls: list[str] = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: calls.append(type(m).__name__))
+    try:
+        params, x = _stacked(net, k=3), torch.randn(3, 5, 2, 13)
+
+        def run() -> Tensor:
+            return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+
+        expected = run()
+        unfused, calls[:] = list(calls), []
+        with fl.fused_layers(fl.fusable_layers(net, CPU)):
+            actual = run()
+    finally:
+        handle.remove()
+    assert calls == unfused == ["Conv1d", "ReLU", "Conv1d", "Flatten", "Linear", "Sequential"]
+    torch.testing.assert_close(actual, expected)
+
+
+def test_a_sequential_subclass_or_one_without_runs_is_left_alone() -> None:
+    class Residual(nn.Sequential):
+        def forward(self, input: Tensor) -> Tensor:
+            return input + super().forward(input)
+
+    assert fl.fusable_layers(Residual(nn.Linear(3, 3), nn.ReLU()), CPU) == []
+    assert fl.fusable_layers(nn.Sequential(nn.LayerNorm(3), nn.Dropout()), CPU) == []
+    shared = nn.Sequential(nn.Linear(3, 3))
+    assert fl.fusable_layers(shared, CPU) == [shared]
+
+
+def test_weights_shared_by_the_replicas_keep_vmaps_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(3, 5, 6)
+    taken = _runs_taken(monkeypatch)
+    with torch.no_grad(), fl.fused_layers(fl.fusable_layers(net, CPU)):
+        shared = vmap(net)(x)
+    assert taken == [1]  # the ReLU only: the linear layers' weights are not batched
+    with torch.no_grad():
+        torch.testing.assert_close(shared, net(x))
 
 
 class ConvClassifier(L.LightningModule):
