@@ -257,8 +257,7 @@ def linear_over_replicas(input: Tensor, weight: Tensor, bias: Optional[Tensor]) 
     """``k`` linear maps in one batched matrix product: ``input`` ``(k, *, i)``, ``weight`` ``(k, o, i)``, ``bias``
     ``(k, o)`` or None; returns ``(k, *, o)``, row ``j`` equal to ``F.linear(input[j], weight[j], bias[j])`` up to
     float rounding: :math:`Y_j = X_j W_j^\\top + \\mathbf{1} b_j^\\top`."""
-    k, features = input.shape[0], input.shape[-1]
-    rows = input.reshape(k, -1, features)
+    rows = input.unsqueeze(1) if input.dim() == 2 else input.flatten(1, -2)  # (k, rows, i), also for no rows
     matrix = weight.transpose(1, 2)
     out = torch.bmm(rows, matrix) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, matrix)
     return out.view(*input.shape[:-1], weight.shape[1])

@@ -56,6 +56,19 @@ def test_conv1d_over_replicas_is_each_replicas_own_convolution(
     assert out.is_contiguous()
 
 
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (0,)], ids=["one sample", "rows", "rows of rows", "no rows"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_over_replicas_is_each_replicas_own_linear_map(shape: tuple[int, ...], bias: bool) -> None:
+    torch.manual_seed(0)
+    k, features, out_features = 3, 4, 6
+    x, w = torch.randn(k, *shape, features), torch.randn(k, out_features, features)
+    b = torch.randn(k, out_features) if bias else None
+    out = fl.linear_over_replicas(x, w, b)
+    assert out.shape == (k, *shape, out_features)
+    for j in range(k):
+        torch.testing.assert_close(out[j], nn.functional.linear(x[j], w[j], None if b is None else b[j]))
+
+
 @pytest.fixture
 def fused_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The score shapes that reached the fused losses (cross-entropy and negative log-likelihood)."""
