@@ -219,16 +219,19 @@ def _weights_over_replicas(weight: Tensor, level: int) -> Optional[Tensor]:
     return batched[1] if batched is not None and batched[0] == level else None
 
 
-def _weight_and_bias(layer: nn.Module, level: int) -> Optional[tuple[Tensor, Optional[Tensor]]]:
-    """``layer``'s ``weight`` and ``bias`` over the replicas (the weight batched by ``vmap``, the bias batched or
-    shared); None where they are not."""
+def _weight_and_bias(layer: nn.Module, level: int, weight_dims: int) -> Optional[tuple[Tensor, Optional[Tensor]]]:
+    """``layer``'s ``weight`` and ``bias`` over the replicas: a weight of ``weight_dims`` dimensions per replica,
+    batched by ``vmap``, and a bias of one value per output, batched or shared; None where they are not (a weight or
+    bias of another shape, which the layer's own call broadcasts or refuses)."""
     weights = _weights_over_replicas(layer.weight, level)
-    if weights is None:
+    if weights is None or weights.dim() != weight_dims + 1:
         return None
     if layer.bias is None:
         return weights, None
     biases = _over_replicas(layer.bias, level, weights.shape[0])
-    return None if biases is None or biases.dtype != weights.dtype else (weights, biases)
+    if biases is None or biases.shape != weights.shape[:2] or biases.dtype != weights.dtype:
+        return None
+    return weights, biases
 
 
 def _prepare_conv1d(layer: nn.Conv1d, level: int) -> Optional[tuple[Tensor, Optional[Tensor]]]:
@@ -236,7 +239,12 @@ def _prepare_conv1d(layer: nn.Conv1d, level: int) -> Optional[tuple[Tensor, Opti
     replaced = vars(layer).get("_conv_forward")
     if not _plain_case(layer) or (replaced is not None and getattr(replaced, "__func__", None) is not _fused_conv1d):
         return None
-    return _weight_and_bias(layer, level)
+    return _weight_and_bias(layer, level, weight_dims=3)
+
+
+def _prepare_linear(layer: nn.Linear, level: int) -> Optional[tuple[Tensor, Optional[Tensor]]]:
+    """A ``Linear`` while ``F.linear``, which its own forward calls, is PyTorch's."""
+    return _weight_and_bias(layer, level, weight_dims=2) if F.linear is _OWN_FUNCTIONAL["linear"] else None
 
 
 def _conv1d_in_run(layer: nn.Conv1d, x: Tensor, parameters: tuple[Tensor, Optional[Tensor]]) -> Optional[Tensor]:
@@ -313,7 +321,7 @@ class _RunForm(NamedTuple):
 #: The layers that take part in runs, by exact type.
 _IN_RUN: dict[type, _RunForm] = {
     nn.Conv1d: _RunForm(_prepare_conv1d, _conv1d_in_run),
-    nn.Linear: _RunForm(_weight_and_bias, _linear_in_run),
+    nn.Linear: _RunForm(_prepare_linear, _linear_in_run),
     nn.Flatten: _RunForm(_no_parameters, _flatten_in_run),
     nn.Unflatten: _RunForm(_no_parameters, _unflatten_in_run),
     **{
@@ -338,11 +346,16 @@ _IN_RUN: dict[type, _RunForm] = {
 }
 
 
+#: The forwards of :data:`_IN_RUN`'s types, as PyTorch defines them (one replaced on the class runs as itself).
+_OWN_FORWARD: dict[type, Callable[..., Any]] = {kind: kind.forward for kind in _IN_RUN}
+
+
 def _runs_over_replicas(layer: nn.Module) -> bool:
-    """Whether ``layer`` can take part in a run: one of :data:`_IN_RUN`'s types, its forward not replaced, and no
-    hooks of its own (a run calls no hooks)."""
+    """Whether ``layer`` can take part in a run: one of :data:`_IN_RUN`'s types, its forward not replaced (on the
+    layer or its class), and no hooks of its own (a run calls no hooks)."""
     return (
         type(layer) in _IN_RUN
+        and type(layer).forward is _OWN_FORWARD[type(layer)]
         and "forward" not in vars(layer)
         and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks)
     )
@@ -386,13 +399,14 @@ def _run(layers: Sequence[nn.Module], x: Any) -> Optional[tuple[Tensor, int]]:
     return None if taken == 0 else (_functorch._add_batch_dim(physical, 0, level), taken)
 
 
-def _fused_sequential(sequential: nn.Sequential, input: Any) -> Any:
+def _fused_sequential(sequential: nn.Sequential, *args: Any, **kwargs: Any) -> Any:
     """``nn.Sequential.forward``, with each run of consecutive layers that have a form over the replicas computed on
     ``vmap``'s physical ``(k, ...)`` tensor (:func:`_run`): the run's input is unwrapped once and its output wrapped
     once. A run starts where its input is batched directly by the innermost ``vmap`` (as for
     :func:`_fused_conv1d`), outside autocast and while no global module hooks are set."""
+    input = args[0] if len(args) == 1 and not kwargs else kwargs.get("input") if not args and len(kwargs) == 1 else None
     if not isinstance(input, Tensor) or torch.is_autocast_enabled(input.device.type) or _global_module_hooks():
-        return nn.Sequential.forward(sequential, input)
+        return nn.Sequential.forward(sequential, *args, **kwargs)  # (with PyTorch's own error for other arguments)
     layers, x, index = list(sequential), input, 0
     while index < len(layers):
         ran = _run(layers[index:], x)
@@ -403,6 +417,10 @@ def _fused_sequential(sequential: nn.Sequential, input: Any) -> Any:
             index += taken
     return x
 
+
+#: The functions of ``torch.nn.functional`` that ``Conv1d``'s and ``Linear``'s own forwards call, as PyTorch defines
+#: them: where one is replaced (by a profiler, say), the layer runs as itself and calls the replacement.
+_OWN_FUNCTIONAL: dict[str, Callable[..., Tensor]] = {"linear": F.linear, "conv1d": F.conv1d}
 
 #: PyTorch's own functions that the fused forms stand in for (and pass every other call to), by name in
 #: ``torch.nn.functional``.
@@ -487,6 +505,9 @@ def _plain_case(layer: nn.Conv1d) -> bool:
         and tuple(layer.dilation) == (1,)
         and layer.padding_mode == "zeros"
         and not isinstance(layer.padding, str)
+        and int(layer.padding[0]) >= 0  # (F.conv1d's own error otherwise, as for the stride)
+        and int(layer.stride[0]) > 0
+        and F.conv1d is _OWN_FUNCTIONAL["conv1d"]  # (its own forward calls it: a replacement, a profiler's, runs)
     )
 
 
@@ -525,8 +546,10 @@ def fused_layers(layers: Sequence[nn.Module], losses: bool = False) -> Iterator[
     :func:`conv1d_over_replicas` when ``vmap`` batches its weights over the replicas, an ``nn.Sequential`` computes
     its runs over the replicas (:func:`_fused_sequential`), each as itself otherwise; with ``losses``,
     ``torch.nn.functional.cross_entropy`` and ``nll_loss`` are their fused forms (each unless someone else's function
-    was there). Restored on exit, however it ends (unless someone else replaced one meanwhile: theirs stays)."""
-    for layer in layers:
+    was there). A layer whose method someone else has replaced since :func:`fusable_layers` found it keeps theirs.
+    Restored on exit, however it ends (unless someone else replaced one meanwhile: theirs stays)."""
+    fused = [layer for layer in layers if _fused_form(layer)[0] not in vars(layer)]  # (one set since is someone else's)
+    for layer in fused:
         name, form = _fused_form(layer)
         setattr(layer, name, form.__get__(layer))
     replaced = [name for name in _FUSED if losses and getattr(F, name) is _OWN[name]]  # (never someone else's)
@@ -538,5 +561,7 @@ def fused_layers(layers: Sequence[nn.Module], losses: bool = False) -> Iterator[
         for name in replaced:
             if getattr(F, name) is _FUSED[name]:  # (a replacement made meanwhile stays)
                 setattr(F, name, _OWN[name])
-        for layer in layers:
-            delattr(layer, _fused_form(layer)[0])
+        for layer in fused:
+            name, form = _fused_form(layer)
+            if getattr(vars(layer).get(name), "__func__", None) is form:  # (one set meanwhile stays)
+                delattr(layer, name)

@@ -576,6 +576,104 @@ def test_weights_shared_by_the_replicas_keep_vmaps_rule(monkeypatch: pytest.Monk
         torch.testing.assert_close(shared, net(x))
 
 
+@pytest.mark.parametrize("bias_shape", [(), (1, 3), (5, 3)], ids=["scalar", "one row", "a row per sample"])
+def test_a_bias_that_is_not_one_value_per_output_runs_as_the_layer_itself(
+    bias_shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``F.linear`` broadcasts such a bias (reviewer's case: it crashed in the run)."""
+    net = nn.Sequential(nn.Linear(6, 3), nn.ReLU())
+    params = {**_stacked(net, k=3), "0.bias": torch.randn(3, *bias_shape)}
+    x = torch.randn(3, 5, 6)
+
+    def run() -> Tensor:
+        return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+
+    expected = run()
+    taken = _runs_taken(monkeypatch)
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        actual = run()
+    assert taken == [1]  # the ReLU only
+    torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("padding, stride", [(-1, 1), (1, 0)], ids=["negative padding", "zero stride"])
+def test_a_convolution_pytorch_refuses_gives_pytorchs_error(padding: int, stride: int) -> None:
+    layer = nn.Conv1d(2, 4, 3)
+    layer.padding, layer.stride = (padding,), (stride,)
+    net = nn.Sequential(layer, nn.ReLU())
+    params, x = _stacked(net, k=3), torch.randn(3, 5, 2, 11)
+
+    def error() -> tuple[type, str]:
+        with pytest.raises(RuntimeError) as raised:
+            vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+        return type(raised.value), str(raised.value)
+
+    expected = error()
+    for fused in (fl.fusable_layers(net, CPU), fl.fusable_layers(layer, CPU)):  # in a run, and alone
+        with fl.fused_layers(fused):
+            assert error() == expected
+
+
+def test_a_forward_set_on_a_layer_after_it_was_found_is_kept_and_called() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(36, 3))
+    found = fl.fusable_layers(net, CPU)  # (the engine finds them at its first step)
+    net.forward = lambda x: 2.0 * nn.Sequential.forward(net, x)  # type: ignore[method-assign]
+    net[0]._conv_forward = lambda x, w, b: 3.0 * nn.functional.conv1d(x, w, b)  # type: ignore[method-assign]
+    params, x = _stacked(net, k=3), torch.randn(3, 5, 2, 11)
+
+    def run() -> Tensor:
+        return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+
+    expected = run()
+    with fl.fused_layers(found):
+        actual = run()
+    torch.testing.assert_close(actual, expected)
+    assert "forward" in vars(net) and "_conv_forward" in vars(net[0])  # still theirs
+
+
+@pytest.mark.parametrize("where", ["F.linear", "nn.Linear.forward"])
+def test_a_replaced_linear_function_or_forward_is_called_as_without_fusing(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    owner, name = (nn.functional, "linear") if where == "F.linear" else (nn.Linear, "forward")
+    original = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Tensor:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    params, x = _stacked(net, k=3), torch.randn(3, 5, 6)
+
+    def run() -> Tensor:
+        return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+
+    expected, unfused = run(), len(calls)
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        actual = run()
+    assert unfused == 2 and len(calls) == 4
+    torch.testing.assert_close(actual, expected)
+
+
+def test_a_sequential_called_with_other_arguments_gives_pytorchs_error() -> None:
+    net = nn.Sequential(nn.Linear(6, 3))
+    x = torch.randn(3, 5, 6)
+
+    def error() -> str:
+        with pytest.raises(TypeError) as raised:
+            vmap(lambda p, xb: functional_call(net, p, (xb, xb)))(_stacked(net, k=3), x)
+        return str(raised.value)
+
+    expected = error()
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        assert error() == expected
+        by_keyword = vmap(lambda p, xb: functional_call(net, p, (), {"input": xb}))(_stacked(net, k=3), x)
+    torch.testing.assert_close(by_keyword, vmap(lambda p, xb: functional_call(net, p, (xb,)))(_stacked(net, k=3), x))
+
+
 class ConvClassifier(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
