@@ -93,6 +93,15 @@ _AVAILABLE = _functorch is not None and all(
 )
 
 
+def _torchs_own(function: Any) -> bool:
+    """Whether ``function`` is PyTorch's own: defined in a ``torch`` module, and not a wrapper made with
+    ``functools.wraps`` (which keeps the name and module and adds ``__wrapped__``). The functions and methods that the
+    fused forms stand in for are taken as this module is imported and checked with this, so that a replacement made
+    before then (a profiler's, say) is not taken for PyTorch's own; one made later is told by its identity."""
+    module = getattr(function, "__module__", None) or ""
+    return (module == "torch" or module.startswith("torch.")) and not hasattr(function, "__wrapped__")
+
+
 def conv1d_over_replicas(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: int, padding: int) -> Tensor:
     """``k`` one-dimensional convolutions in one batched matrix product: ``input`` ``(k, n, c, L)``, ``weight``
     ``(k, o, c, t)``, ``bias`` ``(k, o)`` or None; returns ``(k, n, o, L_out)``, row ``j`` equal to
@@ -203,7 +212,7 @@ def _fused_conv1d(layer: nn.Conv1d, input: Tensor, weight: Tensor, bias: Optiona
             with _vmap_popped():
                 out = conv1d_over_replicas(inputs, weights, biases, layer.stride[0], int(layer.padding[0]))
             return _functorch._add_batch_dim(out, 0, level)
-    return nn.Conv1d._conv_forward(layer, input, weight, bias)
+    return type(layer)._conv_forward(layer, input, weight, bias)  # (the class's: PyTorch's, or its replacement)
 
 
 # Runs of layers in an ``nn.Sequential``. Each layer type below has a form over the replicas in two parts: ``prepare``
@@ -243,8 +252,8 @@ def _prepare_conv1d(layer: nn.Conv1d, level: int) -> Optional[tuple[Tensor, Opti
 
 
 def _prepare_linear(layer: nn.Linear, level: int) -> Optional[tuple[Tensor, Optional[Tensor]]]:
-    """A ``Linear`` while ``F.linear``, which its own forward calls, is PyTorch's."""
-    return _weight_and_bias(layer, level, weight_dims=2) if F.linear is _OWN_FUNCTIONAL["linear"] else None
+    """A ``Linear``'s weight and bias."""
+    return _weight_and_bias(layer, level, weight_dims=2)
 
 
 def _conv1d_in_run(layer: nn.Conv1d, x: Tensor, parameters: tuple[Tensor, Optional[Tensor]]) -> Optional[Tensor]:
@@ -316,46 +325,60 @@ def _no_parameters(layer: nn.Module, level: int) -> tuple[()]:
 class _RunForm(NamedTuple):
     prepare: Callable[[Any, int], Optional[tuple[Any, ...]]]
     compute: Callable[[Any, Tensor, Any], Optional[Tensor]]
+    calls: Optional[tuple[Any, str]] = None  #: the function the layer's own forward calls, as (namespace, name)
 
 
 #: The layers that take part in runs, by exact type.
 _IN_RUN: dict[type, _RunForm] = {
-    nn.Conv1d: _RunForm(_prepare_conv1d, _conv1d_in_run),
-    nn.Linear: _RunForm(_prepare_linear, _linear_in_run),
+    nn.Conv1d: _RunForm(_prepare_conv1d, _conv1d_in_run, (F, "conv1d")),
+    nn.Linear: _RunForm(_prepare_linear, _linear_in_run, (F, "linear")),
     nn.Flatten: _RunForm(_no_parameters, _flatten_in_run),
     nn.Unflatten: _RunForm(_no_parameters, _unflatten_in_run),
+    nn.Identity: _RunForm(_no_parameters, _elementwise_in_run),
     **{
-        elementwise: _RunForm(_no_parameters, _elementwise_in_run)
-        for elementwise in (
-            nn.Identity,
-            nn.ReLU,
-            nn.ReLU6,
-            nn.LeakyReLU,
-            nn.ELU,
-            nn.GELU,
-            nn.SiLU,
-            nn.Mish,
-            nn.Tanh,
-            nn.Sigmoid,
-            nn.Hardtanh,
-            nn.Hardswish,
-            nn.Hardsigmoid,
-            nn.Softplus,
+        elementwise: _RunForm(_no_parameters, _elementwise_in_run, calls)
+        for elementwise, calls in (
+            (nn.ReLU, (F, "relu")),
+            (nn.ReLU6, (F, "hardtanh")),
+            (nn.LeakyReLU, (F, "leaky_relu")),
+            (nn.ELU, (F, "elu")),
+            (nn.GELU, (F, "gelu")),
+            (nn.SiLU, (F, "silu")),
+            (nn.Mish, (F, "mish")),
+            (nn.Tanh, (torch, "tanh")),
+            (nn.Sigmoid, (torch, "sigmoid")),
+            (nn.Hardtanh, (F, "hardtanh")),
+            (nn.Hardswish, (F, "hardswish")),
+            (nn.Hardsigmoid, (F, "hardsigmoid")),
+            (nn.Softplus, (F, "softplus")),
         )
     },
 }
 
+#: The forwards of :data:`_IN_RUN`'s types as PyTorch defines them (:func:`_torchs_own`), and the functions they call.
+_OWN_FORWARD: dict[type, Callable[..., Any]] = {kind: kind.forward for kind in _IN_RUN if _torchs_own(kind.forward)}
+_OWN_CALLED: dict[type, Optional[Callable[..., Any]]] = {
+    kind: function if _torchs_own(function := getattr(*form.calls)) else None
+    for kind, form in _IN_RUN.items()
+    if form.calls is not None
+}
 
-#: The forwards of :data:`_IN_RUN`'s types, as PyTorch defines them (one replaced on the class runs as itself).
-_OWN_FORWARD: dict[type, Callable[..., Any]] = {kind: kind.forward for kind in _IN_RUN}
+
+def _calls_own(kind: type) -> bool:
+    """Whether the function that ``kind``'s own forward calls is PyTorch's (where it is replaced, by a profiler or a
+    FLOP counter, the layer runs as itself and calls the replacement)."""
+    form = _IN_RUN[kind]
+    return form.calls is None or (_OWN_CALLED[kind] is not None and getattr(*form.calls) is _OWN_CALLED[kind])
 
 
 def _runs_over_replicas(layer: nn.Module) -> bool:
-    """Whether ``layer`` can take part in a run: one of :data:`_IN_RUN`'s types, its forward not replaced (on the
-    layer or its class), and no hooks of its own (a run calls no hooks)."""
+    """Whether ``layer`` can take part in a run: one of :data:`_IN_RUN`'s types, its forward and the function that
+    calls not replaced (on the layer, its class or ``torch.nn.functional``), and no hooks of its own (a run calls no
+    hooks)."""
     return (
         type(layer) in _IN_RUN
-        and type(layer).forward is _OWN_FORWARD[type(layer)]
+        and type(layer).forward is _OWN_FORWARD.get(type(layer))
+        and _calls_own(type(layer))
         and "forward" not in vars(layer)
         and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks)
     )
@@ -399,13 +422,22 @@ def _run(layers: Sequence[nn.Module], x: Any) -> Optional[tuple[Tensor, int]]:
     return None if taken == 0 else (_functorch._add_batch_dim(physical, 0, level), taken)
 
 
+#: ``nn.Sequential.forward`` as PyTorch defines it (:func:`_torchs_own`).
+_OWN_SEQUENTIAL_FORWARD = nn.Sequential.forward if _torchs_own(nn.Sequential.forward) else None
+
+
 def _fused_sequential(sequential: nn.Sequential, *args: Any, **kwargs: Any) -> Any:
     """``nn.Sequential.forward``, with each run of consecutive layers that have a form over the replicas computed on
     ``vmap``'s physical ``(k, ...)`` tensor (:func:`_run`): the run's input is unwrapped once and its output wrapped
     once. A run starts where its input is batched directly by the innermost ``vmap`` (as for
     :func:`_fused_conv1d`), outside autocast and while no global module hooks are set."""
     input = args[0] if len(args) == 1 and not kwargs else kwargs.get("input") if not args and len(kwargs) == 1 else None
-    if not isinstance(input, Tensor) or torch.is_autocast_enabled(input.device.type) or _global_module_hooks():
+    if (
+        not isinstance(input, Tensor)
+        or nn.Sequential.forward is not _OWN_SEQUENTIAL_FORWARD  # (replaced on the class: the replacement runs)
+        or torch.is_autocast_enabled(input.device.type)
+        or _global_module_hooks()
+    ):
         return nn.Sequential.forward(sequential, *args, **kwargs)  # (with PyTorch's own error for other arguments)
     layers, x, index = list(sequential), input, 0
     while index < len(layers):
@@ -417,10 +449,6 @@ def _fused_sequential(sequential: nn.Sequential, *args: Any, **kwargs: Any) -> A
             index += taken
     return x
 
-
-#: The functions of ``torch.nn.functional`` that ``Conv1d``'s and ``Linear``'s own forwards call, as PyTorch defines
-#: them: where one is replaced (by a profiler, say), the layer runs as itself and calls the replacement.
-_OWN_FUNCTIONAL: dict[str, Callable[..., Tensor]] = {"linear": F.linear, "conv1d": F.conv1d}
 
 #: PyTorch's own functions that the fused forms stand in for (and pass every other call to), by name in
 #: ``torch.nn.functional``.
@@ -507,18 +535,23 @@ def _plain_case(layer: nn.Conv1d) -> bool:
         and not isinstance(layer.padding, str)
         and int(layer.padding[0]) >= 0  # (F.conv1d's own error otherwise, as for the stride)
         and int(layer.stride[0]) > 0
-        and F.conv1d is _OWN_FUNCTIONAL["conv1d"]  # (its own forward calls it: a replacement, a profiler's, runs)
+        and type(layer)._conv_forward is _OWN_CONV_FORWARD  # (replaced on the class: the replacement runs)
+        and _calls_own(nn.Conv1d)  # (F.conv1d, which that calls; idem)
     )
+
+
+#: ``nn.Conv1d._conv_forward`` as PyTorch defines it (:func:`_torchs_own`).
+_OWN_CONV_FORWARD = nn.Conv1d._conv_forward if _torchs_own(nn.Conv1d._conv_forward) else None
 
 
 def _fusable(layer: nn.Module) -> bool:
     """A ``Conv1d`` in the plain case, whose ``_conv_forward`` nobody has replaced; or an ``nn.Sequential`` (not a
-    subclass) whose ``forward`` nobody has replaced, with a layer that can take part in a run."""
+    subclass) whose ``forward`` nobody has replaced, with a layer of a type that can take part in a run."""
     if type(layer) is nn.Sequential:
         return "forward" not in vars(layer) and any(type(child) in _IN_RUN for child in layer)
     return (
         isinstance(layer, nn.Conv1d)
-        and type(layer)._conv_forward is nn.Conv1d._conv_forward
+        and type(layer)._conv_forward is _OWN_CONV_FORWARD
         and "_conv_forward" not in vars(layer)
         and _plain_case(layer)
     )
@@ -548,14 +581,18 @@ def fused_layers(layers: Sequence[nn.Module], losses: bool = False) -> Iterator[
     ``torch.nn.functional.cross_entropy`` and ``nll_loss`` are their fused forms (each unless someone else's function
     was there). A layer whose method someone else has replaced since :func:`fusable_layers` found it keeps theirs.
     Restored on exit, however it ends (unless someone else replaced one meanwhile: theirs stays)."""
-    fused = [layer for layer in layers if _fused_form(layer)[0] not in vars(layer)]  # (one set since is someone else's)
-    for layer in fused:
-        name, form = _fused_form(layer)
-        setattr(layer, name, form.__get__(layer))
-    replaced = [name for name in _FUSED if losses and getattr(F, name) is _OWN[name]]  # (never someone else's)
-    for name in replaced:
-        setattr(F, name, _FUSED[name])
+    fused: list[nn.Module] = []  # (a method set since fusable_layers found the layer is someone else's: not these)
+    replaced = [  # (never someone else's)
+        name for name in _FUSED if losses and getattr(F, name) is _OWN[name] and _torchs_own(_OWN[name])
+    ]
     try:
+        for layer in layers:
+            name, form = _fused_form(layer)
+            if name not in vars(layer):
+                setattr(layer, name, form.__get__(layer))
+                fused.append(layer)
+        for name in replaced:
+            setattr(F, name, _FUSED[name])
         yield
     finally:
         for name in replaced:

@@ -3,6 +3,8 @@ afterwards."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import lightning as L
@@ -632,30 +634,90 @@ def test_a_forward_set_on_a_layer_after_it_was_found_is_kept_and_called() -> Non
     assert "forward" in vars(net) and "_conv_forward" in vars(net[0])  # still theirs
 
 
-@pytest.mark.parametrize("where", ["F.linear", "nn.Linear.forward"])
-def test_a_replaced_linear_function_or_forward_is_called_as_without_fusing(
-    where: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls: list[int] = []
-    owner, name = (nn.functional, "linear") if where == "F.linear" else (nn.Linear, "forward")
+#: Functions and methods a profiler or a FLOP counter may replace, as (owner, name).
+REPLACEABLE = {
+    "F.linear": (nn.functional, "linear"),
+    "F.conv1d": (nn.functional, "conv1d"),
+    "F.relu": (nn.functional, "relu"),
+    "nn.Linear.forward": (nn.Linear, "forward"),
+    "nn.Conv1d._conv_forward": (nn.Conv1d, "_conv_forward"),
+    "nn.Sequential.forward": (nn.Sequential, "forward"),
+}
+
+
+@pytest.mark.parametrize("where", list(REPLACEABLE))
+def test_a_replaced_function_or_method_is_called_as_without_fusing(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call it sees, with the same shapes (one replica's), in a run and for a Conv1d alone."""
+    seen: list[tuple[int, ...]] = []
+    owner, name = REPLACEABLE[where]
     original = getattr(owner, name)
 
     def counted(*args: Any, **kwargs: Any) -> Tensor:
-        calls.append(1)
+        seen.append(next(tuple(a.shape) for a in args if isinstance(a, Tensor)))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, counted)
-    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    params, x = _stacked(net, k=3), torch.randn(3, 5, 6)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(36, 3))
+    params, x = _stacked(net, k=3), torch.randn(3, 5, 2, 11)
 
-    def run() -> Tensor:
-        return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+    def run(module: nn.Module) -> Tensor:
+        return vmap(lambda p, xb: functional_call(module, p, (xb,)))(params, x)
 
-    expected, unfused = run(), len(calls)
+    expected, unfused = run(net), list(seen)
     with fl.fused_layers(fl.fusable_layers(net, CPU)):
-        actual = run()
-    assert unfused == 2 and len(calls) == 4
+        actual = run(net)
+    assert len(unfused) >= 1 and seen == unfused * 2
     torch.testing.assert_close(actual, expected)
+    if where in ("F.conv1d", "nn.Conv1d._conv_forward"):
+        alone, seen[:] = {n[2:]: p for n, p in params.items() if n.startswith("0.")}, []
+        expected = vmap(lambda p, xb: functional_call(net[0], p, (xb,)))(alone, x)
+        with fl.fused_layers(fl.fusable_layers(net[0], CPU)):
+            actual = vmap(lambda p, xb: functional_call(net[0], p, (xb,)))(alone, x)
+        assert len(seen) == 2
+        torch.testing.assert_close(actual, expected)
+
+
+def test_a_replacement_made_before_crossbow_was_imported_is_called_as_without_fusing() -> None:
+    """A profiler set up first: what is installed when the module is imported is not taken for PyTorch's own."""
+    script = """
+import functools, torch
+from torch import nn
+calls = []
+def counting(function):
+    @functools.wraps(function)
+    def counted(*args, **kwargs):
+        calls.append(function.__name__)
+        return function(*args, **kwargs)
+    return counted
+nn.functional.linear = counting(nn.functional.linear)
+nn.Linear.forward = counting(nn.Linear.forward)
+from lightning_crossbow import fused_layers as fl
+from torch.func import functional_call, vmap
+net = nn.Sequential(nn.Linear(6, 3), nn.ReLU())
+params = {n: p.detach() + torch.randn(3, *p.shape) for n, p in net.named_parameters()}
+run = lambda: vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, torch.randn(3, 5, 6))
+run()
+unfused, calls[:] = list(calls), []
+with fl.fused_layers(fl.fusable_layers(net, torch.device("cpu"))):
+    run()
+print(unfused, calls)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "['forward', 'linear'] ['forward', 'linear']"
+
+
+def test_the_forms_set_before_an_error_in_setting_them_are_taken_away() -> None:
+    class Refusing(nn.Sequential):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "forward":
+                raise RuntimeError("refused")
+            super().__setattr__(name, value)
+
+    first = nn.Sequential(nn.Linear(3, 3))
+    with pytest.raises(RuntimeError, match="refused"), fl.fused_layers([first, Refusing(nn.Linear(3, 3))]):
+        pass
+    assert "forward" not in vars(first)
 
 
 def test_a_sequential_called_with_other_arguments_gives_pytorchs_error() -> None:
