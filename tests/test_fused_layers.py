@@ -436,6 +436,21 @@ def _runs_taken(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return taken
 
 
+def _replicas_call(module: nn.Module, params: dict[str, Tensor], x: Tensor) -> Tensor:
+    """``module`` called under ``vmap`` with each replica's own ``params`` and ``x``."""
+    return vmap(lambda p, xb: functional_call(module, p, (xb,)))(params, x)
+
+
+def _unfused_then_fused(
+    net: nn.Module, params: dict[str, Tensor], x: Tensor, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Tensor, Tensor, list[int]]:
+    """``net``'s output over the replicas without and with its fused layers, and the runs taken with them."""
+    expected = _replicas_call(net, params, x)
+    taken = _runs_taken(monkeypatch)
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        return expected, _replicas_call(net, params, x), taken
+
+
 def _sequential_with_runs() -> nn.Sequential:
     """Every layer type a run takes, around a LayerNorm, which runs as itself, between two runs."""
     torch.manual_seed(0)
@@ -496,16 +511,7 @@ def test_layers_with_hooks_or_of_other_types_run_as_themselves_and_their_hooks_s
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), DoubledLinear(8, 8), nn.Tanh(), nn.Linear(8, 3), nn.ReLU())
     seen: list[tuple[int, ...]] = []
     net[1].register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
-    params = _stacked(net, k=3)
-    x = torch.randn(3, 5, 6)
-
-    def run() -> Tensor:
-        return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
-
-    expected = run()
-    taken = _runs_taken(monkeypatch)
-    with fl.fused_layers(fl.fusable_layers(net, CPU)):
-        actual = run()
+    expected, actual, taken = _unfused_then_fused(net, _stacked(net, k=3), torch.randn(3, 5, 6), monkeypatch)
     assert taken == [1, 3]  # Linear; (the hooked ReLU and DoubledLinear as themselves) Tanh, Linear, ReLU
     assert seen == [(5, 8), (5, 8)]  # one sample's shape, as vmap shows it, with and without fusing
     torch.testing.assert_close(actual, expected)
@@ -542,13 +548,10 @@ def test_global_module_hooks_see_every_layer_as_without_fusing() -> None:
     try:
         params, x = _stacked(net, k=3), torch.randn(3, 5, 2, 13)
 
-        def run() -> Tensor:
-            return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
-
-        expected = run()
+        expected = _replicas_call(net, params, x)
         unfused, calls[:] = list(calls), []
         with fl.fused_layers(fl.fusable_layers(net, CPU)):
-            actual = run()
+            actual = _replicas_call(net, params, x)
     finally:
         handle.remove()
     assert calls == unfused == ["Conv1d", "ReLU", "Conv1d", "Flatten", "Linear", "Sequential"]
@@ -585,15 +588,7 @@ def test_a_bias_that_is_not_one_value_per_output_runs_as_the_layer_itself(
     """``F.linear`` broadcasts such a bias (reviewer's case: it crashed in the run)."""
     net = nn.Sequential(nn.Linear(6, 3), nn.ReLU())
     params = {**_stacked(net, k=3), "0.bias": torch.randn(3, *bias_shape)}
-    x = torch.randn(3, 5, 6)
-
-    def run() -> Tensor:
-        return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
-
-    expected = run()
-    taken = _runs_taken(monkeypatch)
-    with fl.fused_layers(fl.fusable_layers(net, CPU)):
-        actual = run()
+    expected, actual, taken = _unfused_then_fused(net, params, torch.randn(3, 5, 6), monkeypatch)
     assert taken == [1]  # the ReLU only
     torch.testing.assert_close(actual, expected)
 
@@ -624,12 +619,9 @@ def test_a_forward_set_on_a_layer_after_it_was_found_is_kept_and_called() -> Non
     net[0]._conv_forward = lambda x, w, b: 3.0 * nn.functional.conv1d(x, w, b)  # type: ignore[method-assign]
     params, x = _stacked(net, k=3), torch.randn(3, 5, 2, 11)
 
-    def run() -> Tensor:
-        return vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
-
-    expected = run()
+    expected = _replicas_call(net, params, x)
     with fl.fused_layers(found):
-        actual = run()
+        actual = _replicas_call(net, params, x)
     torch.testing.assert_close(actual, expected)
     assert "forward" in vars(net) and "_conv_forward" in vars(net[0])  # still theirs
 
@@ -661,19 +653,16 @@ def test_a_replaced_function_or_method_is_called_as_without_fusing(where: str, m
     net = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(36, 3))
     params, x = _stacked(net, k=3), torch.randn(3, 5, 2, 11)
 
-    def run(module: nn.Module) -> Tensor:
-        return vmap(lambda p, xb: functional_call(module, p, (xb,)))(params, x)
-
-    expected, unfused = run(net), list(seen)
+    expected, unfused = _replicas_call(net, params, x), list(seen)
     with fl.fused_layers(fl.fusable_layers(net, CPU)):
-        actual = run(net)
+        actual = _replicas_call(net, params, x)
     assert len(unfused) >= 1 and seen == unfused * 2
     torch.testing.assert_close(actual, expected)
     if where in ("F.conv1d", "nn.Conv1d._conv_forward"):
         alone, seen[:] = {n[2:]: p for n, p in params.items() if n.startswith("0.")}, []
-        expected = vmap(lambda p, xb: functional_call(net[0], p, (xb,)))(alone, x)
+        expected = _replicas_call(net[0], alone, x)
         with fl.fused_layers(fl.fusable_layers(net[0], CPU)):
-            actual = vmap(lambda p, xb: functional_call(net[0], p, (xb,)))(alone, x)
+            actual = _replicas_call(net[0], alone, x)
         assert len(seen) == 2
         torch.testing.assert_close(actual, expected)
 
