@@ -52,11 +52,13 @@ on physical tensors, and each layer between two fused ones (a ReLU, a Flatten) p
 engine runs, an ``nn.Sequential`` (not a subclass) computes each run of consecutive layers that have a form over the
 replicas on the physical ``(k, ...)`` tensor, unwrapped once at the run's start and wrapped once at its end, with
 ``vmap``'s layer popped off functorch's stack meanwhile (as the fused forms above also compute). The layers with such a
-form (:data:`_IN_RUN`, each of that exact type, with no hooks of its own and its ``forward`` not replaced):
+form (:data:`_IN_RUN`, each of that exact type, with no hooks of its own, and neither its ``forward`` nor the function
+it calls replaced, by a profiler, say):
 ``Conv1d`` in the plain case above, ``Linear`` (:func:`linear_over_replicas`, one ``baddbmm``), ``Flatten``,
 ``Unflatten`` and the element-wise activations. A layer's weight must be batched over the replicas (weights that
 the replicas share keep ``vmap``'s rule, which computes them once). Every other layer runs as itself under ``vmap``,
-and so does every layer under autocast or while global module hooks are set. The same values up to float rounding.
+and so does every layer under autocast, while global module hooks are set, or while ``nn.Sequential.forward`` is
+replaced. The same values up to float rounding.
 With the MNIST-1D CNN at k=8 and b=16, its forward and backward took 0.73 of the time they took with the fused
 ``Conv1d`` and cross-entropy alone (median of per-round ratios, 8 rounds in alternating processes, 2 CPU threads);
 inside Lightning the fused engine ran 1.20x the samples/s (8 rounds of 300 steps, alternating processes).
@@ -319,10 +321,13 @@ def _elementwise_in_run(layer: nn.Module, x: Tensor, parameters: tuple[()]) -> T
 
 
 def _no_parameters(layer: nn.Module, level: int) -> tuple[()]:
+    """The parameters of a layer that has none."""
     return ()
 
 
 class _RunForm(NamedTuple):
+    """A layer type's form over the replicas (see above)."""
+
     prepare: Callable[[Any, int], Optional[tuple[Any, ...]]]
     compute: Callable[[Any, Tensor, Any], Optional[Tensor]]
     calls: Optional[tuple[Any, str]] = None  #: the function the layer's own forward calls, as (namespace, name)
@@ -430,7 +435,8 @@ def _fused_sequential(sequential: nn.Sequential, *args: Any, **kwargs: Any) -> A
     """``nn.Sequential.forward``, with each run of consecutive layers that have a form over the replicas computed on
     ``vmap``'s physical ``(k, ...)`` tensor (:func:`_run`): the run's input is unwrapped once and its output wrapped
     once. A run starts where its input is batched directly by the innermost ``vmap`` (as for
-    :func:`_fused_conv1d`), outside autocast and while no global module hooks are set."""
+    :func:`_fused_conv1d`), outside autocast, while no global module hooks are set and while ``nn.Sequential.forward``
+    is PyTorch's own."""
     input = args[0] if len(args) == 1 and not kwargs else kwargs.get("input") if not args and len(kwargs) == 1 else None
     if (
         not isinstance(input, Tensor)
@@ -526,8 +532,9 @@ _FUSED: dict[str, Callable[..., Tensor]] = {"cross_entropy": _fused_cross_entrop
 
 
 def _plain_case(layer: nn.Conv1d) -> bool:
-    """``groups=1``, ``dilation=1`` and zero padding given as a number: the convolution
-    :func:`conv1d_over_replicas` computes."""
+    """``groups=1``, ``dilation=1``, zero padding given as a non-negative number and a positive stride: the
+    convolution :func:`conv1d_over_replicas` computes; and PyTorch's own ``_conv_forward`` and ``F.conv1d``, where
+    those would run."""
     return (
         layer.groups == 1
         and tuple(layer.dilation) == (1,)
