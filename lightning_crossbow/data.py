@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sized
 from itertools import chain, islice
 from typing import Any, Optional, Union
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 from typing_extensions import override
 
@@ -136,6 +137,8 @@ def group_fetching_loader(loader: object) -> Optional[DataLoader]:
 
 _OWN_ATTRIBUTES = (
     "loader",
+    "batch_limit",
+    "_unfilled_warned",
     "num_replicas",
     "groups_yielded",
     "batches_taken",
@@ -191,6 +194,10 @@ class ReplicaBatchLoader:
         #: The pass's iterator and the batches left in it that fill no group: drawn when the next pass starts (or
         #: when training ends).
         self._tail: Optional[tuple[Iterator[Any], int]] = None
+        #: The batches a pass takes where fewer than the wrapped loader's (a fractional ``limit_train_batches``, as
+        #: Lightning counts it): those that fill no group are drawn all the same, as plain Lightning draws them.
+        self.batch_limit: Optional[int] = None
+        self._unfilled_warned = False
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
         """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass.
@@ -201,7 +208,7 @@ class ReplicaBatchLoader:
         self.groups_yielded, self.batches_taken = self._resume_at or (0, 0)
         self.resumed_mid_pass, self._resume_at = self._resume_at is not None, None
         self._returned, self._drawn = [], self.batches_taken
-        self._pass_length = loader_length(self.loader) if self.own_passes else None  # (once a pass, not a step)
+        self._pass_length = self.pass_batches() if self.own_passes else None  # (once a pass, not a step)
         batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(iter(self._fetcher))
         return self._groups(batches)
 
@@ -214,6 +221,12 @@ class ReplicaBatchLoader:
             group += self._draw(batches, size - len(group))
             self.batches_taken += len(group)
             if len(group) < size:
+                if group and self._pass_length is None and self.own_passes and not self._unfilled_warned:
+                    self._unfilled_warned = True  # (a loader without a length: set-up could not say it)
+                    rank_zero_warn(
+                        f"crossbow: a pass of the training DataLoader ended with {len(group)} batch(es) that do not"
+                        f" fill a step of {size}; they are skipped, at the end of every pass."
+                    )
                 return
             self.groups_yielded += 1
             left = self._left_in_pass()
@@ -266,9 +279,15 @@ class ReplicaBatchLoader:
     def __len__(self) -> int:
         return self.batches_per_pass() // self.num_replicas
 
+    def pass_batches(self) -> Optional[int]:
+        """The batches a pass takes: the wrapped loader's, or fewer under :attr:`batch_limit` (None without a
+        length)."""
+        length = loader_length(self.loader)
+        return length if length is None or self.batch_limit is None else min(length, self.batch_limit)
+
     def dropped_batches(self) -> int:
         """Batches per epoch that do not fill a last group of ``num_replicas`` and are skipped (0 without a length)."""
-        length = loader_length(self.loader)
+        length = self.pass_batches()
         return 0 if length is None else length % self.num_replicas
 
     def batches_per_pass(self) -> int:

@@ -177,5 +177,8 @@ def why_unroutable(dataloader: object) -> Optional[str]:
             "shuffle=True without replacement over the whole dataset (a RandomSampler with replacement or num_samples)"
         )
     if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
-        return f"a batch_size (torch's BatchSampler), got a {type(dataloader.batch_sampler).__name__}"
+        given = type(dataloader.batch_sampler).__name__
+        return "the DataLoader's own batches of its batch_size (not a batch_sampler given to it), got" + (
+            f" batch_sampler={given}" if dataloader.batch_size is None else f" a {given}"
+        )
     return None

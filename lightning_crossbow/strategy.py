@@ -505,6 +505,8 @@ class CrossbowStrategy(DDPStrategy):
             # epochs, after a change made at the last step), else the replicas'
             k = self._resumed_group_size or self._k_next_group or self.replicas_per_device
             self._resumed_group_size = None
+            if self._grouped is not None:  # (a loader reloaded: plain Lightning drew every batch of the last pass)
+                self._grouped.draw_tail()
             grouped = ReplicaBatchLoader(dataloader, k)
             # A checkpoint of plain Lightning (or of k=1) trained one batch per step.
             steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
@@ -513,7 +515,7 @@ class CrossbowStrategy(DDPStrategy):
             batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
         self._grouped = grouped
-        if length is not None and length < batches_per_step:
+        if length is not None and 0 < length < batches_per_step:  # (none at all: nothing to train, as in Lightning)
             raise ValueError(
                 f"crossbow: the training DataLoader has {length} batches per epoch, fewer than the"
                 f" {batches_per_step} that one step takes ({per_step}): not one step could be made. Use at most"
@@ -521,10 +523,13 @@ class CrossbowStrategy(DDPStrategy):
             )
         dropped = grouped.dropped_batches()
         if dropped:
+            batches = f"has {len(grouped) * batches_per_step + dropped} batches"
+            if grouped.batch_limit is not None:  # (a fraction of them)
+                name = "overfit_batches" if trainer.overfit_batches else "limit_train_batches"
+                batches = f"gives {grouped.batch_limit} batches an epoch ({name}={self._train_fraction})"
             rank_zero_warn(
-                f"crossbow: the training DataLoader has {len(grouped) * batches_per_step + dropped} batches, not a"
-                f" multiple of {per_step}; the last {dropped} batch(es) of every epoch do not fill a step and are"
-                " skipped."
+                f"crossbow: the training DataLoader {batches}, not a multiple of {per_step}; the last {dropped}"
+                " batch(es) of every epoch do not fill a step and are skipped."
             )
         return grouped
 
@@ -541,13 +546,15 @@ class CrossbowStrategy(DDPStrategy):
             return
         steps = grouped.groups_in(int(length * fraction))
         if steps == 0:
+            name = "overfit_batches" if trainer.overfit_batches else "limit_train_batches"  # (which the user set)
             raise ValueError(
-                f"crossbow: limit_train_batches={fraction} of the training DataLoader's {length} batches is"
+                f"crossbow: {name}={fraction} of the training DataLoader's {length} batches is"
                 f" {int(length * fraction)} batches, fewer than the {grouped.num_replicas} that one step takes"
                 f" (replicas_per_device={grouped.num_replicas}): not one step could be made. Use"
-                f" limit_train_batches >= {grouped.num_replicas / length:.3g}, or fewer replicas."
+                f" {name} >= {grouped.num_replicas / length:.3g}, or fewer replicas."
             )
         self._train_fraction, trainer.limit_train_batches = fraction, steps
+        grouped.batch_limit = int(length * fraction)  # (the batches that fill no step are drawn all the same)
 
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""

@@ -147,6 +147,69 @@ def test_a_shuffle_from_the_loaders_own_generator_goes_on_as_in_plain_lightning(
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """``make_data``'s samples with noise from the global random generator added as they are fetched (an
+    augmentation): every batch drawn moves the generator, so a batch left undrawn changes the later noise."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        x, y = self.data[index]
+        return x + 0.1 * torch.randn_like(x), y
+
+
+@pytest.mark.parametrize(
+    ("reload", "limit"), [(1, 1.0), (0, 0.5), (1, 0.5)], ids=["reloaded every epoch", "half the batches", "both"]
+)
+def test_batches_that_fill_no_step_are_drawn_also_when_the_loader_is_reloaded_or_limited(
+    reload: int, limit: float
+) -> None:
+    """88 samples: 11 batches; half of them is 5 (Lightning's int(5.5)). At k=2 the last batch fills no step. A loader
+    reloaded every epoch (a new crossbow loader each time), or a fraction of it, still draws and fetches it, so the
+    next epoch's batches are plain Lightning's (reviewer's case: neither was drawn)."""
+    seen = {}
+    for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=2))):
+        seen[name] = BatchesSeen()
+        torch.manual_seed(5)
+        model, data = Classifier(), loader(_Augmented(make_data(num_samples=88)), shuffle=True)
+        fit = trainer(
+            strategy=strategy,
+            max_epochs=3,
+            callbacks=[seen[name]],
+            reload_dataloaders_every_n_epochs=reload,
+            limit_train_batches=limit,
+        )
+        if name == "plain" or limit == 1.0:
+            fit.fit(model, data)
+        else:
+            with pytest.warns(UserWarning, match=r"gives 5 batches an epoch \(limit_train_batches=0.5\), not a mul"):
+                fit.fit(model, data)
+    batches = int(11 * limit)
+    for epoch in range(3):
+        plain, crossbow = seen["plain"].epochs[epoch], seen["crossbow"].epochs[epoch]
+        assert len(plain) == batches and len(crossbow) == batches // 2 * 2
+        for a, b in zip(crossbow, plain):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_loader_without_a_length_says_when_its_pass_leaves_batches_out() -> None:
+    """7 batches at k=3: set-up cannot know; the first pass's end says it, once."""
+    data = torch.utils.data.DataLoader(_Stream(make_data(num_samples=56)), batch_size=8)
+    with pytest.warns(UserWarning, match=r"ended with 1 batch\(es\) that do not fill a step of 3") as warned:
+        trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2).fit(Classifier(), data)
+    assert sum("do not fill a step" in str(w.message) for w in warned) == 1
+
+
+def test_an_empty_loader_trains_nothing_as_in_plain_lightning() -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2)
+    fit.fit(Classifier(), loader(make_data(num_samples=0)))
+    assert fit.global_step == 0
+
+
 def test_no_loader_worker_outlives_fit_when_the_last_group_leaves_batches_out() -> None:
     """5 batches at k=2: the fifth fills no group. The pass's iterator (and so its worker process) is let go when fit
     ends, not kept for a next pass that never comes."""

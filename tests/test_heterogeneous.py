@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, WeightedRandomSampler
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, WeightedRandomSampler
 
 from lightning_crossbow import CrossbowStrategy, SpeedBalancer
 from lightning_crossbow.balancing import StepTime, split_learners, step_seconds
@@ -178,6 +178,13 @@ def test_heterogeneous_mode_refuses_a_sampler_it_cannot_reproduce_on_every_rank(
     strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
     with pytest.raises(ValueError, match="needs shuffle=True or False .* got a WeightedRandomSampler"):
         trainer(strategy=strategy).fit(Classifier(), weighted)
+
+
+def test_heterogeneous_mode_refuses_a_batch_sampler_given_to_the_loader_saying_so() -> None:
+    batches = DataLoader(make_data(num_samples=32), batch_sampler=BatchSampler(SequentialSampler(range(32)), 8, False))
+    strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
+    with pytest.raises(ValueError, match=r"its batch_size \(not a batch_sampler given to it\), got batch_sampler="):
+        trainer(strategy=strategy).fit(Classifier(), batches)
 
 
 # ------------------------------------------------------------------------ two processes

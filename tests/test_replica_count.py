@@ -470,9 +470,10 @@ def test_lightning_counts_a_fraction_of_the_loaders_batches_from_the_start() -> 
     assert fit.limit_train_batches == 0.99
 
 
-def test_a_fraction_of_the_batches_too_small_for_one_step_is_refused() -> None:
-    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=8), limit_train_batches=0.3)
-    message = r"limit_train_batches=0.3 of the training DataLoader's 20 batches is 6 batches, fewer than the 8"
+@pytest.mark.parametrize("name", ["limit_train_batches", "overfit_batches"])
+def test_a_fraction_of_the_batches_too_small_for_one_step_is_refused_naming_the_users_argument(name: str) -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=8), **{name: 0.3})
+    message = rf"{name}=0.3 of the training DataLoader's 20 batches is 6 batches, fewer than the 8 .* Use {name} >="
     with pytest.raises(ValueError, match=message):
         fit.fit(Classifier(), loader(make_data(num_samples=160)))
 
