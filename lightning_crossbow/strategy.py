@@ -812,7 +812,7 @@ class CrossbowStrategy(DDPStrategy):
     def _warn_of_skipped_batches(self) -> None:
         """Warns when k now leaves more than a tenth of every epoch's batches out of its last, unfilled step."""
         assert self._grouped is not None
-        length, k = loader_length(self._grouped.loader), self._grouped.num_replicas
+        length, k = self._grouped.pass_batches(), self._grouped.num_replicas  # (under a fractional limit, its)
         if length is not None and skips_over_a_tenth(length, k):
             rank_zero_warn(
                 f"crossbow: with replicas_per_device={k} the last {self._grouped.dropped_batches()} of the"
