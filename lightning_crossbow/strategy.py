@@ -542,7 +542,7 @@ class CrossbowStrategy(DDPStrategy):
         the fraction."""
         fraction = self._train_limit(trainer)
         length = loader_length(grouped.loader)
-        if not isinstance(fraction, float) or not 0.0 < fraction < 1.0 or length is None:
+        if not isinstance(fraction, float) or not 0.0 < fraction < 1.0 or not length:  # (no batches: no steps)
             return
         steps = grouped.groups_in(int(length * fraction))
         if steps == 0:
@@ -1363,7 +1363,8 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         trainer = self.lightning_module.trainer
-        if self._grouped is not None and not 0 <= trainer.max_steps <= trainer.global_step:
+        ran_to_its_end = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # (also where max_steps ends there)
+        if self._grouped is not None and (ran_to_its_end or not 0 <= trainer.max_steps <= trainer.global_step):
             self._grouped.draw_tail()  # the last epoch ran to its end: plain Lightning drew every batch of it
         self.sync_center()
         # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.

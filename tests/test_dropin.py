@@ -204,10 +204,31 @@ def test_a_loader_without_a_length_says_when_its_pass_leaves_batches_out() -> No
     assert sum("do not fill a step" in str(w.message) for w in warned) == 1
 
 
-def test_an_empty_loader_trains_nothing_as_in_plain_lightning() -> None:
-    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2)
+@pytest.mark.parametrize("limit", [1.0, 0.5], ids=["whole", "a fraction of it"])
+def test_an_empty_loader_trains_nothing_as_in_plain_lightning(limit: float) -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2, limit_train_batches=limit)
     fit.fit(Classifier(), loader(make_data(num_samples=0)))
     assert fit.global_step == 0
+
+
+def test_max_steps_at_an_epochs_end_draws_its_left_over_batches_for_the_next_fit() -> None:
+    """11 batches at k=2: max_steps=5 ends where the epoch ends (plain Lightning: 11). The 11th batch is drawn and
+    fetched as plain Lightning fetches it, so a second fit of the same trainer trains plain Lightning's batches
+    (reviewer's case: it was not, and the augmentation's noise parted)."""
+    seen = {}
+    for name, strategy, steps in (("plain", "auto", 11), ("crossbow", CrossbowStrategy(replicas_per_device=2), 5)):
+        seen[name] = BatchesSeen()
+        torch.manual_seed(5)
+        model, data = Classifier(), loader(_Augmented(make_data(num_samples=88)), shuffle=True)
+        fit = trainer(strategy=strategy, max_epochs=5, max_steps=steps, callbacks=[seen[name]])
+        fit.fit(model, data)
+        fit.fit_loop.epoch_loop.max_steps = 2 * steps
+        fit.fit(model, data)
+    for epoch in range(2):
+        plain, crossbow = seen["plain"].epochs[epoch], seen["crossbow"].epochs[epoch]
+        assert len(plain) == 11 and len(crossbow) == 10
+        for a, b in zip(crossbow, plain):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_no_loader_worker_outlives_fit_when_the_last_group_leaves_batches_out() -> None:
