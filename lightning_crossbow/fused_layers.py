@@ -411,16 +411,17 @@ def _run(layers: Sequence[nn.Module], x: Any) -> Optional[tuple[Tensor, int]]:
     level, physical = batched
     prepared = []
     for layer in layers:
-        parameters = _IN_RUN[type(layer)].prepare(layer, level) if _runs_over_replicas(layer) else None
-        if parameters is None:
+        form = _IN_RUN[type(layer)] if _runs_over_replicas(layer) else None
+        parameters = None if form is None else form.prepare(layer, level)
+        if form is None or parameters is None:
             break
-        prepared.append((layer, parameters))
+        prepared.append((layer, form.compute, parameters))
     if not prepared:
         return None
     taken = 0
     with _vmap_popped():
-        for layer, parameters in prepared:
-            out = _IN_RUN[type(layer)].compute(layer, physical, parameters)
+        for layer, compute, parameters in prepared:
+            out = compute(layer, physical, parameters)
             if out is None:
                 break
             physical, taken = out, taken + 1

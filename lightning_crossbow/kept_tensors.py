@@ -129,8 +129,7 @@ class KeptTensors:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        own = _own_attributes(type(module))
-        self.attributes = {name: value for name, value in vars(module).items() if name not in own}
+        self.attributes = self._user_attributes()
         self.copies = {name: _copy(value) for name, value in self.attributes.items()}
 
     def _user_attributes(self) -> dict[str, Any]:

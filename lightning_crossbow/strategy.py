@@ -107,6 +107,12 @@ _CHECKPOINT_KEY = "crossbow"
 _CHECKPOINT_VERSION = 1
 
 
+def _limit_argument(trainer: "pl.Trainer") -> str:
+    """The Trainer argument the user limited the training batches with (Lightning holds ``overfit_batches`` as
+    ``limit_train_batches`` too)."""
+    return "overfit_batches" if trainer.overfit_batches else "limit_train_batches"
+
+
 class CrossbowStrategy(DDPStrategy):
     r"""Trains ``k`` replicas of the LightningModule per device, kept together by synchronous model averaging.
 
@@ -525,8 +531,9 @@ class CrossbowStrategy(DDPStrategy):
         if dropped:
             batches = f"has {len(grouped) * batches_per_step + dropped} batches"
             if grouped.batch_limit is not None:  # (a fraction of them)
-                name = "overfit_batches" if trainer.overfit_batches else "limit_train_batches"
-                batches = f"gives {grouped.batch_limit} batches an epoch ({name}={self._train_fraction})"
+                batches = (
+                    f"gives {grouped.batch_limit} batches an epoch ({_limit_argument(trainer)}={self._train_fraction})"
+                )
             rank_zero_warn(
                 f"crossbow: the training DataLoader {batches}, not a multiple of {per_step}; the last {dropped}"
                 " batch(es) of every epoch do not fill a step and are skipped."
@@ -544,17 +551,18 @@ class CrossbowStrategy(DDPStrategy):
         length = loader_length(grouped.loader)
         if not isinstance(fraction, float) or not 0.0 < fraction < 1.0 or not length:  # (no batches: no steps)
             return
-        steps = grouped.groups_in(int(length * fraction))
+        batches = int(length * fraction)
+        steps = grouped.groups_in(batches)
         if steps == 0:
-            name = "overfit_batches" if trainer.overfit_batches else "limit_train_batches"  # (which the user set)
+            name = _limit_argument(trainer)
             raise ValueError(
                 f"crossbow: {name}={fraction} of the training DataLoader's {length} batches is"
-                f" {int(length * fraction)} batches, fewer than the {grouped.num_replicas} that one step takes"
+                f" {batches} batches, fewer than the {grouped.num_replicas} that one step takes"
                 f" (replicas_per_device={grouped.num_replicas}): not one step could be made. Use"
                 f" {name} >= {grouped.num_replicas / length:.3g}, or fewer replicas."
             )
         self._train_fraction, trainer.limit_train_batches = fraction, steps
-        grouped.batch_limit = int(length * fraction)  # (the batches that fill no step are drawn all the same)
+        grouped.batch_limit = batches  # (the batches that fill no step are drawn all the same)
 
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
