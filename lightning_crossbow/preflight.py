@@ -4,7 +4,7 @@ Lightning callbacks adapted to a step of k batches."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 import lightning.pytorch as pl
 import torch
@@ -16,17 +16,11 @@ from lightning_crossbow.tuner import ReplicaAutoTuner
 
 def check_callbacks(trainer: "pl.Trainer") -> None:
     """Refuses, before training, the callbacks whose work crossbow's replicas would silently undo."""
-    from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
+    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 
     for callback in trainer.callbacks:
         problem = None
-        if isinstance(callback, BaseFinetuning):
-            problem = (
-                "it changes which parameters the optimizer steps while training runs (it freezes, unfreezes and"
-                " adds parameter groups), and crossbow's optimizer steps stacked replicas of the parameters"
-                " configure_optimizers gave it"
-            )
-        elif isinstance(callback, ModelPruning):
+        if isinstance(callback, ModelPruning):
             problem = (
                 "it re-registers each pruned parameter (weight_orig and a mask), and crossbow replicates the parameters"
             )
@@ -88,3 +82,31 @@ def adapt_throughput_monitors(trainer: "pl.Trainer") -> None:
             callback.batch_size_fn = per_batch_of_the_group(callback.batch_size_fn)
             if callback.length_fn is not None:
                 callback.length_fn = per_batch_of_the_group(callback.length_fn)
+
+
+class WithModuleParameters:
+    """A callback's hook run inside ``presenting()``: while it runs, the optimizer's param groups hold the module's
+    own parameters, as the hook expects (:meth:`CrossbowStrategy.optimizer_over_module_parameters`). (A class, not a
+    closure: a callback holding it pickles as it did.)"""
+
+    def __init__(self, hook: Callable[..., Any], presenting: Callable[[], ContextManager[Any]]) -> None:
+        self.hook, self.presenting = hook, presenting
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.presenting():
+            return self.hook(*args, **kwargs)
+
+
+def adapt_finetuning_callbacks(trainer: "pl.Trainer", presenting: Callable[[], ContextManager[Any]]) -> None:
+    """Lightning's ``BaseFinetuning`` (``BackboneFinetuning`` and the user's own subclasses) finds, adds and saves
+    the optimizer's param groups by the module's parameters, in ``on_fit_start`` (a resumed run's groups) and
+    ``on_train_epoch_start`` (``finetune_function``): both run inside ``presenting()``."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning):
+            for name in ("on_fit_start", "on_train_epoch_start"):
+                hook = getattr(callback, name)
+                if isinstance(hook, WithModuleParameters):  # (adapted by an earlier fit: for this one's strategy)
+                    hook = hook.hook
+                setattr(callback, name, WithModuleParameters(hook, presenting))

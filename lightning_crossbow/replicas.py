@@ -87,52 +87,65 @@ class ReplicaStack:
         self.buckets: list[FlatBucket] = []
         self.params: dict[str, Tensor] = {}
         self._module_params: list[list[nn.Parameter]] = []  # per bucket
-
-        groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
-        for name, param in module.named_parameters():
-            if param.requires_grad:
-                groups.setdefault((param.dtype, param.device), []).append((name, param))
-        for members in groups.values():
-            center = torch.cat([p.detach().reshape(-1) for _, p in members])
-            offsets, start = [], 0
-            for _, p in members:
-                offsets.append(start)
-                start += p.numel()
-            replicas = center.unsqueeze(0).repeat(num_replicas, 1)
-            self.buckets.append(
-                FlatBucket(
-                    names=[n for n, _ in members],
-                    shapes=[p.shape for _, p in members],
-                    offsets=offsets,
-                    center=center,
-                    center_prev=center.clone(),
-                    replicas=replicas,
-                    corrections=torch.empty_like(replicas),
-                )
-            )
-            self._module_params.append([p for _, p in members])
         self._held: set[str] = set()  #: parameters frozen during training, held as they are
-        #: Every trainable parameter of the module, and its span ``(name, bucket, start, end)`` in the flat buffers.
-        self._trainable_params = [param for params in self._module_params for param in params]
-        self._trainable_spans = [
-            (name, bucket, start, end) for bucket in self.buckets for name, start, end, _ in bucket.slices()
-        ]
-        self._flags_seen = tuple(True for _ in self._trainable_params)  #: their requires_grad when last followed
-        self._make_param_views()
+        #: Every parameter with replicas, and its span ``(name, bucket, start, end)`` in the flat buffers.
+        self._trainable_params: list[nn.Parameter] = []
+        self._trainable_spans: list[tuple[str, FlatBucket, int, int]] = []
+        self._flags_seen: tuple[bool, ...] = ()  #: their requires_grad when last followed
+        self._add_buckets([(name, param) for name, param in module.named_parameters() if param.requires_grad])
         self.buffers: dict[str, Tensor] = {
             name: buf.detach().unsqueeze(0).repeat(num_replicas, *([1] * buf.dim()))
             for name, buf in module.named_buffers()
         }
         self._bind_center(module)
 
+    def _add_buckets(self, members: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
+        """New flat buckets (one per dtype and device) holding ``members``, every replica a copy of each; their
+        stacked leaves join :attr:`params`. Returns the new buckets."""
+        groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+        for name, param in members:
+            groups.setdefault((param.dtype, param.device), []).append((name, param))
+        added = []
+        for grouped in groups.values():
+            center = torch.cat([p.detach().reshape(-1) for _, p in grouped])
+            offsets, start = [], 0
+            for _, p in grouped:
+                offsets.append(start)
+                start += p.numel()
+            replicas = center.unsqueeze(0).repeat(self.num_replicas, 1)
+            bucket = FlatBucket(
+                names=[n for n, _ in grouped],
+                shapes=[p.shape for _, p in grouped],
+                offsets=offsets,
+                center=center,
+                center_prev=center.clone(),
+                replicas=replicas,
+                corrections=torch.empty_like(replicas),
+            )
+            self.buckets.append(bucket)
+            self._module_params.append([p for _, p in grouped])
+            self._trainable_params += self._module_params[-1]
+            self._trainable_spans += [(name, bucket, start, end) for name, start, end, _ in bucket.slices()]
+            self._make_param_views(bucket, self._module_params[-1])
+            added.append(bucket)
+        self._flags_seen += tuple(True for bucket in added for _ in bucket.names)
+        return added
+
+    def add_replicas_(self, module: nn.Module, names: list[str]) -> None:
+        """Gives replicas to ``module``'s parameters ``names`` (ones that had none: frozen when the stack was made),
+        each a copy of the parameter, in new buckets; the module's parameters become views of their z. The
+        leaves already in :attr:`params` stay the same tensors (the optimizer state over them stays valid)."""
+        already = [name for name in names if name in self.params]
+        if already:
+            raise ValueError(f"{', '.join(already)} already have replicas.")
+        self._bind_center(module, self._add_buckets([(name, module.get_parameter(name)) for name in names]))
+
     # ----------------------------------------------------------------------------------- views
-    def _make_param_views(self) -> None:
-        k = self.num_replicas
-        self.params = {}
-        for bucket, module_params in zip(self.buckets, self._module_params):
-            for (name, start, end, shape), param in zip(bucket.slices(), module_params):
-                leaf = bucket.replicas[:, start:end].view(k, *shape).detach()
-                self.params[name] = leaf.requires_grad_(param.requires_grad)  # (a parameter frozen since: see below)
+    def _make_param_views(self, bucket: FlatBucket, module_params: list[nn.Parameter]) -> None:
+        """The stacked ``(k, *shape)`` leaves of ``bucket``'s parameters, views of its replicas, into :attr:`params`."""
+        for (name, start, end, shape), param in zip(bucket.slices(), module_params, strict=True):
+            leaf = bucket.replicas[:, start:end].view(self.num_replicas, *shape).detach()
+            self.params[name] = leaf.requires_grad_(param.requires_grad)  # (a parameter frozen since: see below)
 
     @torch.no_grad()
     def follow_requires_grad_(self, hold: bool, at_mean: bool = False) -> None:
@@ -160,9 +173,10 @@ class ReplicaStack:
                 leaf.grad = None
                 self._held.add(name)
 
-    def _bind_center(self, module: nn.Module) -> None:
-        """Makes ``module``'s trainable parameters views of the central buffers (z)."""
-        for bucket in self.buckets:
+    def _bind_center(self, module: nn.Module, buckets: Optional[list[FlatBucket]] = None) -> None:
+        """Makes ``module``'s parameters with replicas (those of ``buckets``: all when None) views of the central
+        buffers (z)."""
+        for bucket in self.buckets if buckets is None else buckets:
             for name, start, end, shape in bucket.slices():
                 module.get_parameter(name).data = bucket.center[start:end].view(shape)
 
@@ -267,13 +281,21 @@ class ReplicaStack:
             bucket.corrections = torch.empty_like(bucket.replicas)
         self.buffers = {name: resize_rows(stack, num_replicas) for name, stack in self.buffers.items()}
         self.num_replicas = num_replicas
-        self._make_param_views()
+        self.params = {}
+        for bucket, module_params in zip(self.buckets, self._module_params, strict=True):
+            self._make_param_views(bucket, module_params)
 
     # ---------------------------------------------------------------------------- state dict
+    @property
+    def layout(self) -> list[list[str]]:
+        """The names of the parameters with replicas, bucket by bucket (the flat buffers' layout)."""
+        return [list(bucket.names) for bucket in self.buckets]
+
     def state_dict(self) -> dict[str, Any]:
-        """The replicas, their buffers and z_prev, for checkpoints."""
+        """The replicas, their buffers and z_prev, and the layout they are in, for checkpoints."""
         return {
             "num_replicas": self.num_replicas,
+            "names": self.layout,
             "replicas": [b.replicas.detach().cpu().clone() for b in self.buckets],
             "center_prev": [b.center_prev.detach().cpu().clone() for b in self.buckets],
             "buffers": {n: b.detach().cpu().clone() for n, b in self.buffers.items()},
@@ -281,17 +303,33 @@ class ReplicaStack:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any], replicas: bool = True) -> None:
-        """Restores z_prev, and the replicas and their buffers too when ``replicas`` is True."""
-        for bucket, prev in zip(self.buckets, state["center_prev"], strict=True):
-            bucket.center_prev.copy_(prev)
+        """Restores z_prev, and the replicas and their buffers too when ``replicas`` is True (the state must then
+        have this stack's k and layout). z_prev is restored parameter by parameter, by name, where the state's
+        layout differs from this stack's (a parameter that had no replicas in the state keeps its own)."""
+        layout = state.get("names", self.layout)  # (a state written before layouts were saved: this one's)
+        if layout == self.layout:
+            for bucket, prev in zip(self.buckets, state["center_prev"], strict=True):
+                bucket.center_prev.copy_(prev)
+        else:
+            saved = {}
+            for names, prev in zip(layout, state["center_prev"], strict=True):
+                sizes = [self.params[name][0].numel() if name in self.params else 0 for name in names]
+                if sum(sizes) == prev.numel():  # (else the module changed: nothing of it is taken)
+                    saved.update(zip(names, prev.split(sizes)))
+            for name, bucket, start, end in self._trainable_spans:
+                if name in saved:
+                    bucket.center_prev[start:end] = saved[name]
         if not replicas:
             return
-        if state["num_replicas"] != self.num_replicas:
-            raise ValueError(f"State has {state['num_replicas']} replicas, this stack {self.num_replicas}.")
-        for bucket, saved in zip(self.buckets, state["replicas"], strict=True):
-            bucket.replicas.copy_(saved)
-        for name, saved in state["buffers"].items():
-            self.buffers[name].copy_(saved)
+        if state["num_replicas"] != self.num_replicas or layout != self.layout:
+            raise ValueError(
+                f"State has {state['num_replicas']} replicas of {layout}, this stack {self.num_replicas} of"
+                f" {self.layout}."
+            )
+        for bucket, saved_rows in zip(self.buckets, state["replicas"], strict=True):
+            bucket.replicas.copy_(saved_rows)
+        for name, saved_buffer in state["buffers"].items():
+            self.buffers[name].copy_(saved_buffer)
 
 
 class BufferSnapshot:

@@ -19,8 +19,8 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from types import MethodType
 from typing import Any, ContextManager, Literal, Optional, Union
@@ -80,6 +80,7 @@ from lightning_crossbow.optim import (
     unfuse_,
 )
 from lightning_crossbow.preflight import (
+    adapt_finetuning_callbacks,
     adapt_throughput_monitors,
     check_callbacks,
     warn_of_step_schedules_under_tuning,
@@ -251,7 +252,8 @@ class CrossbowStrategy(DDPStrategy):
         self._leaves_after_fit: list[Tensor] = []  #: the stacked leaves the optimizer steps, kept at teardown
         self._param_groups_seen = 0  #: the optimizer's param groups when last re-pointed at the replicas
         self._unfused_groups: set[int] = set()  #: param groups made with fused=True that run without it
-        self._frozen_at_start: list[tuple[str, torch.nn.Parameter]] = []  #: parameters without replicas
+        #: Parameters without replicas: frozen when training started (they get them once unfrozen).
+        self._without_replicas: list[tuple[str, torch.nn.Parameter]] = []
         self._step_started: Optional[float] = None
         self.samples_per_second: Optional[float] = None
         self._batch_size: Optional[int] = None
@@ -409,20 +411,17 @@ class CrossbowStrategy(DDPStrategy):
         check_callbacks(trainer)
         warn_of_step_schedules_under_tuning(trainer)
         adapt_throughput_monitors(trainer)
+        adapt_finetuning_callbacks(trainer, self.optimizer_over_module_parameters)
         self._check_same_config_on_all_ranks()
         module = self.lightning_module
         if self.engine_name == "streams" and self._stream_pool() is None:
             raise ValueError(STREAMS_NEED_CUDA.format(device=self.root_device))
         self.stack = ReplicaStack(module, self.replicas_per_device)
-        repoint_to_stack(
-            optimizer,
-            {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
-            self.replicas_per_device,
-        )
+        self._repoint_optimizer()
         self._unfused_groups = set()
         self._unfuse_for_replicas(optimizer)
         self._param_groups_seen = len(optimizer.param_groups)
-        self._frozen_at_start = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
+        self._without_replicas = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
         self._fastest_engine.clear()  # (a new fit may train another model: its engines are measured afresh)
         self.engine = self._make_engine(self.replicas_per_device)
         self._reads_gradients = hooks_read_gradients(module, trainer.callbacks)
@@ -624,26 +623,19 @@ class CrossbowStrategy(DDPStrategy):
         """Follows what a callback or hook changed since the last batch: a parameter frozen is no longer trained
         and, from the next optimizer step on, stays as it is
         (:meth:`~lightning_crossbow.replicas.ReplicaStack.follow_requires_grad_`); one unfrozen again is trained; a
-        param group added to the optimizer steps the replicas. A parameter that was frozen when training started
-        has no replicas: unfreezing it is refused, with the reason."""
+        parameter frozen when training started gets its replicas once unfrozen (:meth:`_give_replicas_to`); a
+        param group added to the optimizer steps the replicas."""
         assert self.stack is not None
-        self.stack.follow_requires_grad_(hold=step_starts, at_mean=self.averaging.center_is_learner_mean)
-        unfrozen = [name for name, param in self._frozen_at_start if param.requires_grad]
+        unfrozen = [name for name, param in self._without_replicas if param.requires_grad]
         if unfrozen:
-            raise RuntimeError(
-                f"crossbow: the parameter(s) {', '.join(unfrozen)} were frozen (requires_grad=False) when training"
-                " started, so crossbow made no replicas of them, and they were unfrozen during training. Unfreeze"
-                " them before fit (a callback may then freeze them for the first epochs: crossbow follows a freeze),"
-                " or train them in a second fit."
+            self._give_replicas_to(unfrozen)
+            rank_zero_info(
+                f"crossbow: {', '.join(unfrozen)} unfrozen: {self.stack.num_replicas} replica(s) of each made from z."
             )
+        self.stack.follow_requires_grad_(hold=step_starts, at_mean=self.averaging.center_is_learner_mean)
         optimizer = self.optimizers[0]
         if len(optimizer.param_groups) != self._param_groups_seen:  # (add_param_group: the module's parameters)
-            module = self.lightning_module
-            repoint_to_stack(
-                optimizer,
-                {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
-                self.stack.num_replicas,
-            )
+            self._repoint_optimizer()
             params = stacked_params(optimizer)
             if len({id(param) for param in params}) != len(params):
                 raise ValueError(
@@ -652,6 +644,47 @@ class CrossbowStrategy(DDPStrategy):
                 )
             self._unfuse_for_replicas(optimizer)  # (the new group may ask for fused kernels)
             self._param_groups_seen = len(optimizer.param_groups)
+
+    def _give_replicas_to(self, names: list[str]) -> None:
+        """Parameters that had no replicas (frozen when training started) get them, each replica a copy of z
+        (:meth:`~lightning_crossbow.replicas.ReplicaStack.add_replicas_`): the optimizer, the engine and the mean
+        gradients that hooks see take them in. Every process does this at the same point (a callback's unfreezing
+        runs on each), so their flat buffers, which the averaging all-reduces, keep one layout."""
+        assert self.stack is not None and self.engine is not None
+        self.stack.add_replicas_(self.lightning_module, names)
+        self._without_replicas = [(name, param) for name, param in self._without_replicas if name not in names]
+        self._repoint_optimizer()
+        self._expose_mean_gradients()  # (on the new leaves too)
+        self._renew_engine(self.stack.num_replicas)  # (a fused engine found its layers for the old leaves)
+
+    @contextmanager
+    def optimizer_over_module_parameters(self) -> Iterator[None]:
+        """For code that finds the optimizer's parameters by the module's own (Lightning's ``BaseFinetuning``):
+        inside, the optimizer's param groups hold the module's parameters in place of their stacked replicas; on
+        leaving, the replicas again, and what the code changed (a parameter unfrozen, a param group added) is
+        followed at once. The optimizer's state, kept by the stacked leaves, is untouched."""
+        if self.stack is None:  # (not training)
+            yield
+            return
+        module = self.lightning_module
+        by_leaf = {id(leaf): module.get_parameter(name) for name, leaf in self.stack.params.items()}
+        for group in self.optimizers[0].param_groups:
+            group["params"] = [by_leaf.get(id(param), param) for param in group["params"]]
+        try:
+            yield
+        finally:
+            self._repoint_optimizer()
+        self._follow_trainable_parameters(step_starts=False)
+
+    def _repoint_optimizer(self) -> None:
+        """Puts the stacked leaves in the optimizer in place of the module's parameters that have replicas."""
+        assert self.stack is not None
+        module = self.lightning_module
+        repoint_to_stack(
+            self.optimizers[0],
+            {id(module.get_parameter(name)): stacked for name, stacked in self.stack.params.items()},
+            self.stack.num_replicas,
+        )
 
     def _reset_if_lr_dropped(self) -> None:
         """With ``reset_on_lr_drop``: the replicas restart from z when the lr has dropped since the last optimizer
@@ -945,9 +978,7 @@ class CrossbowStrategy(DDPStrategy):
         else:
             self._step_losses = self._step_skipped = None
         self._expose_mean_gradients()  # on the new stacked leaves
-        if isinstance(self.engine, FastestEngine) and self.engine.chosen is not None:
-            self._fastest_engine[self.replicas_per_device] = self.engine.chosen
-        self.engine = self._make_engine(replicas_per_device, fused_failed=self.engine.fused_failed)
+        self._renew_engine(replicas_per_device)
         self.replicas_per_device, self._k_next_group = replicas_per_device, None
         if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
             rank_zero_info(f"crossbow: replicas_per_device is now {replicas_per_device} (K = {self.num_learners}).")
@@ -1179,6 +1210,15 @@ class CrossbowStrategy(DDPStrategy):
             self._all_reduce_sum,
             fastest=self._fastest_engine.get(replicas_per_device),
         )
+
+    def _renew_engine(self, replicas_per_device: int) -> None:
+        """A new engine for the stack as it now is, with ``replicas_per_device`` replicas; an auto engine's choice
+        for the current k is remembered (it is not measured again when k comes back), and a failed fused attempt is
+        not tried again."""
+        assert self.engine is not None
+        if isinstance(self.engine, FastestEngine) and self.engine.chosen is not None:
+            self._fastest_engine[self.replicas_per_device] = self.engine.chosen
+        self.engine = self._make_engine(replicas_per_device, fused_failed=self.engine.fused_failed)
 
     def _stream_pool(self) -> Optional[StreamPool]:
         """The CUDA streams of this rank's device (the accelerator's pool), or None off CUDA."""
@@ -1469,6 +1509,12 @@ class CrossbowStrategy(DDPStrategy):
         saved_optimizer = checkpoint["optimizer_states"][0]
         counts = state.get("pass_counts") if state is not None else None
         self._resumed_pass_counts = (counts[0], counts[1]) if counts else None
+        saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None
+        if saved_layout is not None:  # parameters that got replicas once unfrozen get them again
+            with_replicas = {name for names in saved_layout for name in names}
+            unfrozen = [name for name, _ in self._without_replicas if name in with_replicas]
+            if unfrozen:
+                self._give_replicas_to(unfrozen)
         if self.routing is not None:
             same_layout = self._restore_split(state)
         else:
@@ -1487,6 +1533,7 @@ class CrossbowStrategy(DDPStrategy):
                 and state["replicas_per_device"] == self.replicas_per_device
                 and state["world_size"] == self.world_size
             )
+        same_layout = same_layout and saved_layout in (None, self.stack.layout)
         if state is not None and state.get("algorithm", self.algorithm) == self.algorithm:
             self.averaging.load_state_dict(state.get("averaging", {}))
         elif state is not None:

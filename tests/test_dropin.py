@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
@@ -1123,11 +1123,132 @@ class _UnfreezesTheFirstLayer(Classifier):
         self.net[0].weight.requires_grad_(self.current_epoch >= 1)
 
 
-def test_unfreezing_a_parameter_frozen_when_training_started_is_refused_with_the_reason() -> None:
-    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2)
-    with pytest.raises(RuntimeError, match=r"net.0.weight were frozen \(requires_grad=False\) when training started"):
-        fit.fit(_UnfreezesTheFirstLayer(), loader(make_data()))
-    assert fit.current_epoch == 1  # (refused at the first step after the change)
+class _FrozenFromFitStartUntilEpoch1(Classifier):
+    """Frozen in ``on_fit_start``, once crossbow made its replicas (a parameter frozen during training)."""
+
+    def on_fit_start(self) -> None:
+        self.net[0].weight.requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        self.net[0].weight.requires_grad_(self.current_epoch >= 1)
+
+
+@pytest.mark.parametrize("algorithm", ["scaled_averaging", "sma", "gossip"])
+def test_a_parameter_frozen_when_training_started_gets_replicas_once_unfrozen(algorithm: str) -> None:
+    """Frozen in ``__init__``, it has no replicas until unfrozen; then it trains as one frozen during training does
+    (held at z until unfrozen; its optimizer state starts at its first step in both)."""
+    if algorithm == "scaled_averaging":
+        assert_one_replica_is_plain_lightning(_UnfreezesTheFirstLayer, make_data(), epochs=3)
+    models = []
+    for make_model in (_UnfreezesTheFirstLayer, _FrozenFromFitStartUntilEpoch1):
+        model = make_model()
+        strategy = CrossbowStrategy(replicas_per_device=3, algorithm=algorithm)
+        trainer(strategy=strategy, max_epochs=3).fit(model, loader(make_data()))
+        models.append(model)
+    grown, held = models
+    assert not torch.equal(grown.net[0].weight, Classifier().net[0].weight)  # (trained from epoch 1)
+    for a, b in zip(grown.parameters(), held.parameters(), strict=True):
+        torch.testing.assert_close(a, b)  # (in a flat buffer of its own, at another offset: rounding may differ)
+
+
+class _WithBackbone(Classifier):
+    """Lightning's fine-tuning set-up: a ``backbone`` and an optimizer over the parameters that are trainable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = self.net[0]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+class _RecordsTheBackbone(L.Callback):
+    def __init__(self) -> None:
+        self.weights: list[Tensor] = []
+        self.lrs: list[list[float]] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.weights.append(module.backbone.weight.detach().clone())
+        self.lrs.append([group["lr"] for group in trainer.optimizers[0].param_groups])
+
+
+def test_backbone_finetuning_unfreezes_and_schedules_the_backbone_as_in_plain_lightning() -> None:
+    def finetuning() -> list:
+        return [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+
+    assert_one_replica_is_plain_lightning(_WithBackbone, make_data(), epochs=3, callbacks=finetuning)
+    runs = []
+    for strategy in ("auto", CrossbowStrategy(replicas_per_device=3)):
+        recorder = _RecordsTheBackbone()
+        callbacks = [*finetuning(), recorder]
+        trainer(strategy=strategy, max_epochs=3, callbacks=callbacks).fit(_WithBackbone(), loader(make_data()))
+        runs.append((recorder, callbacks[0].state_dict()))
+    (plain, plain_state), (crossbow, crossbow_state) = runs
+    assert crossbow.lrs == plain.lrs  # (one group, then the backbone's, its lr scheduled by the callback)
+    assert crossbow_state == plain_state  # (the groups it saves, by the module's parameter names)
+    initial, (epoch_0, epoch_1, epoch_2) = _WithBackbone().backbone.weight, crossbow.weights
+    assert torch.equal(epoch_0, initial) and not torch.equal(epoch_1, epoch_0) and not torch.equal(epoch_2, epoch_1)
+
+
+def test_a_fine_tuning_run_resumes_with_the_replicas_its_unfrozen_parameters_got(tmp_path: Path) -> None:
+    """As in plain Lightning, BaseFinetuning restores the param groups on resuming and leaves the backbone frozen
+    (its ``setup`` freezes it; only the epoch of unfreezing unfreezes it): at k=1, crossbow resumes exactly as plain
+    Lightning does; at k=3 (SMA: replicas apart from z), the replicas the backbone got, and their optimizer state,
+    are restored as they were saved, not re-seeded from z."""
+    checkpoint = tmp_path / "finetuned.ckpt"
+    for strategy in ("auto", "k=1", "k=3"):
+
+        def fit(max_epochs: int, callbacks: list, ckpt_path: Any = None) -> _WithBackbone:
+            model = _WithBackbone()
+            chosen = {"auto": "auto", "k=1": CrossbowStrategy(1), "k=3": CrossbowStrategy(3, algorithm="sma")}[strategy]
+            callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1), *callbacks]
+            trainer(strategy=chosen, max_epochs=max_epochs, callbacks=callbacks).fit(
+                model, loader(make_data()), ckpt_path=ckpt_path
+            )
+            return model
+
+        saving = _SavesAtTheEnd(checkpoint)
+        fit(2, [saving])
+        restored = _RecordsTheRestoredStack()
+        model = fit(3, [restored], ckpt_path=checkpoint)
+        saved = torch.load(checkpoint, weights_only=False)
+        assert torch.equal(model.backbone.weight, saved["state_dict"]["net.0.weight"])  # (frozen, as in plain)
+        if strategy == "auto":
+            plain = model
+            continue
+        if strategy == "k=1":
+            for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        rank = saved["crossbow"]["ranks"][0]
+        assert (
+            rank["stack"]["names"]
+            == restored.stack["names"]
+            == [["net.2.weight", "net.2.bias"], ["net.0.weight", "net.0.bias"]]
+        )
+        for a, b in zip(rank["stack"]["replicas"], restored.stack["replicas"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        momenta = [state["momentum_buffer"] for _, state in sorted(rank["optimizer"]["state"].items())]
+        assert len(momenta) == len(restored.momenta) == 4
+        for a, b in zip(momenta, restored.momenta, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _SavesAtTheEnd(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+class _RecordsTheRestoredStack(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy, CrossbowStrategy):
+            self.stack = trainer.strategy.stack.state_dict()
+            optimizer = trainer.optimizers[0]
+            self.momenta = [
+                optimizer.state[p]["momentum_buffer"].clone() for g in optimizer.param_groups for p in g["params"]
+            ]
 
 
 class _AddsTheFirstLayerToTheOptimizer(Classifier):

@@ -9,7 +9,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 from torch import nn
 
 from lightning_crossbow import CrossbowAccelerator, CrossbowStrategy
@@ -208,27 +208,17 @@ def test_an_accelerator_given_a_device_type_keeps_it_on_a_machine_with_the_other
 @pytest.mark.parametrize(
     ("callback", "module", "match"),
     [
-        (
-            lambda: BackboneFinetuning(unfreeze_backbone_at_epoch=1),
-            "backbone",
-            "BackboneFinetuning callback: it changes",
-        ),
         (lambda: ModelPruning("l1_unstructured", amount=0.5), "plain", "ModelPruning callback: it re-registers"),
         (lambda: StochasticWeightAveraging(swa_lrs=0.01), "batchnorm", "StochasticWeightAveraging callback: with"),
     ],
 )
 def test_callbacks_whose_work_the_replicas_would_undo_are_refused_before_training(callback, module, match) -> None:
-    class WithBackbone(Classifier):
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = self.net
-
     class WithBatchNorm(Classifier):
         def __init__(self) -> None:
             super().__init__()
             self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
 
-    model = {"backbone": WithBackbone, "plain": Classifier, "batchnorm": WithBatchNorm}[module]()
+    model = {"plain": Classifier, "batchnorm": WithBatchNorm}[module]()
     started = []
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2, callbacks=[callback()])
     model.on_train_batch_start = lambda *args: started.append(True)
