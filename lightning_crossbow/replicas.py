@@ -125,10 +125,10 @@ class ReplicaStack:
             self.buckets.append(bucket)
             self._module_params.append([p for _, p in grouped])
             self._trainable_params += self._module_params[-1]
+            self._flags_seen += tuple(param.requires_grad for param in self._module_params[-1])  # (leaves made so)
             self._trainable_spans += [(name, bucket, start, end) for name, start, end, _ in bucket.slices()]
             self._make_param_views(bucket, self._module_params[-1])
             added.append(bucket)
-        self._flags_seen += tuple(True for bucket in added for _ in bucket.names)
         return added
 
     def add_replicas_(self, module: nn.Module, names: list[str]) -> None:

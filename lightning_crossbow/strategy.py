@@ -1510,11 +1510,10 @@ class CrossbowStrategy(DDPStrategy):
         counts = state.get("pass_counts") if state is not None else None
         self._resumed_pass_counts = (counts[0], counts[1]) if counts else None
         saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None
-        if saved_layout is not None:  # parameters that got replicas once unfrozen get them again
-            with_replicas = {name for names in saved_layout for name in names}
-            unfrozen = [name for name, _ in self._without_replicas if name in with_replicas]
-            if unfrozen:
-                self._give_replicas_to(unfrozen)
+        for names in saved_layout or []:  # parameters that got replicas once unfrozen get them again, as they were
+            without_replicas = {name for name, _ in self._without_replicas}
+            if names and all(name in without_replicas for name in names):
+                self._give_replicas_to(names)
         if self.routing is not None:
             same_layout = self._restore_split(state)
         else:
@@ -1549,6 +1548,13 @@ class CrossbowStrategy(DDPStrategy):
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self._center_stale = True
             return
+        if len(saved_optimizer["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(
+                f"crossbow: the checkpoint's optimizer has {len(saved_optimizer['param_groups'])} param group(s) and"
+                f" this run's has {len(optimizer.param_groups)}. A callback or hook that added param groups in the run"
+                " that saved it (such as BaseFinetuning) must be given again when resuming; plain Lightning refuses"
+                " this checkpoint too."
+            )
         seeded = seed_stacked_state_(optimizer, saved_optimizer, self._stacked_leaves())
         if not seeded:
             for group, saved_group in zip(optimizer.param_groups, saved_optimizer["param_groups"], strict=True):
@@ -1560,6 +1566,11 @@ class CrossbowStrategy(DDPStrategy):
             "a checkpoint without crossbow state"
             if state is None
             else f"a checkpoint of replicas_per_device={state['replicas_per_device']} x world_size={state['world_size']}"
+            + (
+                ""
+                if saved_layout in (None, self.stack.layout)
+                else f" whose replicas lie in other flat buffers ({saved_layout}, here {self.stack.layout})"
+            )
         )
         optimizer_state = (
             "every replica's optimizer state is the checkpoint's (its mean over replicas, if it had several)"

@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
@@ -1231,6 +1231,66 @@ def test_a_fine_tuning_run_resumes_with_the_replicas_its_unfrozen_parameters_got
         assert len(momenta) == len(restored.momenta) == 4
         for a, b in zip(momenta, restored.momenta, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_resuming_a_fine_tuning_run_without_its_callback_is_refused_naming_the_param_groups(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "finetuned.ckpt"
+    callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1), _SavesAtTheEnd(checkpoint)]
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=2, callbacks=callbacks).fit(
+        _WithBackbone(), loader(make_data())
+    )
+    resumed = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=3)
+    with pytest.raises(ValueError, match=r"checkpoint's optimizer has 2 param group\(s\) and this run's has 1\."):
+        resumed.fit(_WithBackbone(), loader(make_data()), ckpt_path=checkpoint)
+
+
+class _UnfreezesInTwoStages(BaseFinetuning):
+    """Freezes both layers before training; unfreezes the last at epoch 1 and the first at epoch 2 (again at every
+    later epoch, so that a resumed run unfreezes them as well)."""
+
+    def freeze_before_training(self, module: L.LightningModule) -> None:
+        self.freeze([module.net[0], module.net[2]])
+
+    def finetune_function(self, module: L.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch >= 1:
+            self.unfreeze_and_add_param_group(module.net[2], optimizer, lr=0.05)
+        if epoch >= 2:
+            self.unfreeze_and_add_param_group(module.net[0], optimizer, lr=0.02)
+
+
+class _WithABias(_WithBackbone):
+    """(a parameter trainable from the start: the two stages' layers are frozen before training)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) + self.shift
+
+
+@pytest.mark.parametrize("how", ["in a module hook", "by BaseFinetuning, in two stages"])
+def test_a_run_that_unfroze_parameters_resumes_bitwise_as_it_went_on(how: str, tmp_path: Path) -> None:
+    """Resumed after the parameters frozen when training started got their replicas, a run goes on bitwise as
+    without the interruption: they get their replicas again, in the same flat buffers, and take their saved
+    replicas and optimizer state (also when a hook unfreezes them only once the resumed run has started)."""
+    make_model, callbacks, epochs, resume_at = (
+        (_UnfreezesTheFirstLayer, list, 3, "epoch=1.ckpt")
+        if how == "in a module hook"
+        else (_WithABias, lambda: [_UnfreezesInTwoStages()], 4, "epoch=2.ckpt")
+    )
+    models = []
+    for ckpt_path in (None, tmp_path / resume_at):
+        model = make_model()
+        saving = [ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")] if ckpt_path is None else []
+        strategy = CrossbowStrategy(replicas_per_device=3, algorithm="sma")  # (replicas apart from z)
+        fit = trainer(
+            strategy=strategy, max_epochs=epochs, callbacks=[*callbacks(), *saving], enable_checkpointing=True
+        )
+        fit.fit(model, loader(make_data()), ckpt_path=ckpt_path)
+        models.append(model)
+    for a, b in zip(*(model.parameters() for model in models), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 class _SavesAtTheEnd(L.Callback):
