@@ -354,6 +354,8 @@ class FusedEngine(Engine):
         recorded: list[Any] = []
         returned_dict = [False]
         skipped_all = [False]
+        plain_extras: dict[str, Any] = {}  # the dict output's values that are plain data (one for every replica)
+        extras_order: list[str] = []
 
         def one_replica(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Any:
             replaced: dict[str, Tensor] = {}
@@ -365,9 +367,16 @@ class FusedEngine(Engine):
             if loss is None:  # one control flow for every replica under vmap: all of them skip
                 skipped_all[0] = True
                 return torch.zeros((), device=device), {}, logged, replaced
-            if not all(isinstance(v, Tensor) for v in extra.values()):
-                raise NotFusableError("training_step returned a dict with non-tensor values")
-            return loss, extra, logged, replaced
+            tensors = {key: value for key, value in extra.items() if isinstance(value, Tensor)}
+            others = {key: value for key, value in extra.items() if key not in tensors}
+            if not all(_plain_data(value) for value in others.values()):
+                raise NotFusableError(
+                    "training_step returned a dict with values that are neither tensors nor plain data (numbers,"
+                    " strings, None, and lists, tuples and dicts of them)"
+                )
+            plain_extras.update(others)  # (under vmap one control flow: every replica's value is this one)
+            extras_order[:] = extra
+            return loss, tensors, logged, replaced
 
         if self._fused_layers is None:
             self._fused_layers = fusable_layers(self.module, device)
@@ -402,7 +411,8 @@ class FusedEngine(Engine):
             k = stack.num_replicas
             every = torch.ones(k, dtype=torch.bool, device=device)
             return ReplicaStepOutput(None, torch.zeros(k, device=device), {}, returned_dict[0], every)
-        extras = _merge_stacked_extras(extras)
+        merged = {**_merge_stacked_extras(extras), **{key: [v] * stack.num_replicas for key, v in plain_extras.items()}}
+        extras = {key: merged[key] for key in extras_order}  # (in the order training_step gave them)
         return ReplicaStepOutput(losses.sum(), losses.detach(), extras, returned_dict[0])
 
 
@@ -745,6 +755,18 @@ def _merge_stacked_extras(extras: dict[str, Tensor]) -> dict[str, Any]:
         else list(value.detach().unbind(0))
         for key, value in extras.items()
     }
+
+
+def _plain_data(value: Any) -> bool:
+    """Whether ``value`` is plain data: None, a bool, number or string, or a list, tuple or dict of plain data (no
+    tensor, nor any other object that might hold one)."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain_data(item) for item in value)
+    if type(value) is dict:
+        return all(_plain_data(key) and _plain_data(item) for key, item in value.items())
+    return False
 
 
 def _device_of(stack: ReplicaStack) -> torch.device:

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples.models import Classifier, mlp  # noqa: E402
 from examples.train import build  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
 
@@ -83,6 +84,9 @@ def test_train_app_runs_end_to_end_and_prints_the_result_line(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RESULT test_acc=" in result.stdout and "replicas_per_device=4" in result.stdout
     assert (tmp_path / "result.json").exists()
+    (checkpoint,) = tmp_path.rglob("*.ckpt")  # loads in plain Lightning, weights only (no omegaconf)
+    model = Classifier.load_from_checkpoint(checkpoint, net=mlp(in_features=64, num_classes=10), map_location="cpu")
+    assert model.hparams.lr_milestones == [] and model.hparams.num_classes == 10
 
 
 def test_multirun_collects_one_table(tmp_path: Path) -> None:

@@ -196,6 +196,48 @@ def test_nested_dict_list_batches_and_dict_outputs(engine: str) -> None:
         torch.testing.assert_close(a, b)
 
 
+class _ReturnsPlainData(Classifier):
+    """Returns, beside the loss, plain data (a count, a string, a list and a dict of them) and a tensor; with
+    ``nested``, also a tensor inside a list, which cannot leave vmap that way."""
+
+    def __init__(self, nested: bool = False) -> None:
+        super().__init__()
+        self.nested = nested
+        self.outputs: list[dict[str, Any]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        output = {"loss": loss, "n": len(y), "tag": "ok", "sizes": [len(y), 2], "meta": {"k": None}, "y": y}
+        return {**output, "nested": [y]} if self.nested else output
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.outputs.append({key: value for key, value in outputs.items() if key != "loss"})
+
+
+def test_a_dict_output_with_plain_data_runs_fused_and_gives_each_replicas_value_as_sequential_does() -> None:
+    outputs = {}
+    for engine in ("fused", "sequential"):
+        model = _ReturnsPlainData()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_steps=2).fit(
+                model, loader(make_data())
+            )
+        assert not [w for w in record if "Falling back" in str(w.message)]
+        outputs[engine] = model.outputs
+    for fused, sequential in zip(outputs["fused"], outputs["sequential"], strict=True):
+        assert list(fused) == list(sequential) == ["n", "tag", "sizes", "meta", "y"]  # (in the order returned)
+        assert fused["n"] == sequential["n"] == [8, 8] and fused["tag"] == ["ok", "ok"]
+        assert fused["sizes"] == [[8, 2], [8, 2]] and fused["meta"] == [{"k": None}] * 2
+        for a, b in zip(fused["y"], sequential["y"], strict=True):
+            assert torch.equal(a, b)
+    model = _ReturnsPlainData(nested=True)
+    with pytest.warns(UserWarning, match="values that are neither tensors nor plain data"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=1).fit(model, loader(make_data()))
+    assert torch.equal(model.outputs[0]["nested"][1][0], make_data()[8:16][1])  # (replica 1's own, sequentially)
+
+
 # ------------------------------------------------------------------------------ schedulers
 class _ReplicaSpread(Classifier):
     """Records, at the first step of every epoch, how far the replicas are from z (sequential engine)."""
