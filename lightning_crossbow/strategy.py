@@ -758,15 +758,20 @@ class CrossbowStrategy(DDPStrategy):
         self._group = self._group_cut = None  # the step's forward and backward ran: no retry can follow
 
     def _replay_logs(self) -> None:
-        """Logs what the replicas logged (their mean) and crossbow's own metrics, once the step's backward has
-        run: a step that runs out of memory in its backward and runs again with fewer replicas logs once. They
-        are logged as ``training_step``'s (Lightning keys a logged value by the hook that logs it). Hooks that
-        run inside the backward read the previous step's values in ``trainer.callback_metrics``."""
+        """Logs what the replicas logged (their mean), once the step's backward has run: a step that runs out of
+        memory in its backward and runs again with fewer replicas logs once. Hooks that run inside the backward
+        read the previous step's values in ``trainer.callback_metrics``."""
+        with self._logging_as_training_step() as module:
+            self._log_capture.replay(module)
+
+    @contextmanager
+    def _logging_as_training_step(self) -> Iterator["pl.LightningModule"]:
+        """The module, its ``self.log`` calls taken as ``training_step``'s (Lightning keys a logged value by the
+        hook that logs it, and checks where it may be logged)."""
         module = self.lightning_module
         hook, module._current_fx_name = module._current_fx_name, "training_step"
         try:
-            self._log_capture.replay(module)
-            self._log_crossbow_metrics(module)
+            yield module
         finally:
             module._current_fx_name = hook
 
@@ -983,27 +988,25 @@ class CrossbowStrategy(DDPStrategy):
         if self.routing is None:  # (heterogeneous mode reports each new split as a whole)
             rank_zero_info(f"crossbow: replicas_per_device is now {replicas_per_device} (K = {self.num_learners}).")
 
-    def _log_crossbow_metrics(self, module: "pl.LightningModule") -> None:
-        """Logs k, samples/s (both on the progress bar) and the replicas' spread at logging steps."""
-        trainer = module.trainer
-        if not trainer._logger_connector.should_update_logs:  # Lightning's own schedule (log_every_n_steps)
-            return
+    def _log_crossbow_metrics(self) -> None:
+        """Logs k, samples/s (both on the progress bar), the learning rate and the outer one or the replicas'
+        spread, at logging steps, once the optimizer step's averaging has run: each is that step's own."""
         assert self.stack is not None
-        metrics = {"crossbow/replicas_per_device": float(self.replicas_per_device)}
-        if self.samples_per_second is not None:
-            metrics["crossbow/samples_per_sec"] = self.samples_per_second
-        module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-        if isinstance(self.averaging, ScaledAveraging):  # its learners all start every step at z
-            module.log("crossbow/outer_lr", self.averaging.last_eta, on_step=True, on_epoch=False, batch_size=1)
-        else:
-            if self.averaging.center_is_learner_mean:
-                self.sync_center()  # gossip keeps no z while training: form it (a logging step is every rank's)
-            module.log(
-                "crossbow/replica_divergence", self.stack.divergence(), on_step=True, on_epoch=False, batch_size=1
-            )
-        module.log(
-            "crossbow/lr", float(self.optimizers[0].param_groups[0]["lr"]), on_step=True, on_epoch=False, batch_size=1
-        )
+        if not self.lightning_module.trainer._logger_connector.should_update_logs:  # (log_every_n_steps)
+            return
+        once = {"on_step": True, "on_epoch": False, "batch_size": 1}
+        with self._logging_as_training_step() as module:
+            metrics = {"crossbow/replicas_per_device": float(self.replicas_per_device)}
+            if self.samples_per_second is not None:
+                metrics["crossbow/samples_per_sec"] = self.samples_per_second
+            module.log_dict(metrics, prog_bar=True, **once)
+            if isinstance(self.averaging, ScaledAveraging):  # its learners all start every step at z
+                module.log("crossbow/outer_lr", self.averaging.last_eta, **once)
+            else:
+                if self.averaging.center_is_learner_mean:
+                    self.sync_center()  # gossip keeps no z while training: form it (a logging step is every rank's)
+                module.log("crossbow/replica_divergence", self.stack.divergence(), **once)
+            module.log("crossbow/lr", float(self.optimizers[0].param_groups[0]["lr"]), **once)
 
     @override
     def optimizer_step(
@@ -1025,6 +1028,7 @@ class CrossbowStrategy(DDPStrategy):
             self._center_stale = True
             self._form_center_after_step()
             self._measure_throughput()
+            self._log_crossbow_metrics()
             return output
         window_done = False
         if self.balancer is not None:
@@ -1042,6 +1046,7 @@ class CrossbowStrategy(DDPStrategy):
             self._wait_for_device()
             self.balancer.sync_done()
         self._measure_throughput()
+        self._log_crossbow_metrics()
         return output
 
     def _local_step(

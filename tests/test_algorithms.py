@@ -303,30 +303,34 @@ def test_the_statistics_ride_in_a_wide_bucket_wherever_it_sits(dtypes: tuple[tor
     assert rule.steps_measured == 1 and 1.0 <= rule.last_eta <= 2 * k
 
 
-class _DivergenceSeen(L.Callback):
-    """The replicas' spread around their mean before each step, and what crossbow logged in that step."""
+class _LoggedWithTheStep(L.Callback):
+    """What crossbow logged in each step, and the truth after that step's averaging: the replicas' spread around
+    their mean (for the rules that log it) or the outer learning rate the step used (scaled averaging)."""
 
     def __init__(self) -> None:
         self.pairs: list[tuple[float, float]] = []
-        self._truth = 0.0
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        rows = torch.cat([b.replicas for b in trainer.strategy.stack.buckets], dim=1)
-        mean = rows.mean(0)
-        self._truth = float(((rows - mean).norm(dim=1) / mean.norm()).mean())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.pairs.append((self._truth, float(trainer.callback_metrics["crossbow/replica_divergence"])))
+        strategy = trainer.strategy
+        if isinstance(strategy.averaging, ScaledAveraging):
+            truth, name = strategy.averaging.last_eta, "crossbow/outer_lr"
+        else:
+            rows = torch.cat([b.replicas for b in strategy.stack.buckets], dim=1)
+            mean = rows.mean(0)
+            truth, name = float(((rows - mean).norm(dim=1) / mean.norm()).mean()), "crossbow/replica_divergence"
+        self.pairs.append((truth, float(trainer.callback_metrics[name])))
 
 
-def test_gossip_logs_the_divergence_from_the_learners_mean() -> None:
-    """Gossip keeps no z while training: the logged spread is measured from the learners' mean, formed then."""
-    seen = _DivergenceSeen()
-    strategy = CrossbowStrategy(replicas_per_device=3, algorithm="gossip", engine="sequential")
+@pytest.mark.parametrize("algorithm", ["gossip", "scaled_averaging"])
+def test_the_logged_spread_or_outer_lr_is_the_steps_own(algorithm: str) -> None:
+    """Logged once the step's averaging has run: gossip's spread is measured from the learners' mean (it keeps no z
+    while training, so z is formed then), and scaled averaging's outer learning rate is the one the step used."""
+    seen = _LoggedWithTheStep()
+    strategy = CrossbowStrategy(replicas_per_device=3, algorithm=algorithm, engine="sequential")
     trainer(strategy=strategy, max_epochs=1, callbacks=[seen], log_every_n_steps=1).fit(
         Classifier(), loader(make_data(num_samples=96))
     )
-    assert len(seen.pairs) == 4 and seen.pairs[-1][0] > 0
+    assert len(seen.pairs) == 4 and seen.pairs[0][0] > (1.0 if algorithm == "scaled_averaging" else 0.0)
     for truth, logged in seen.pairs:
         assert logged == pytest.approx(truth, rel=1e-5, abs=1e-7)
 
