@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Subset
 
@@ -175,6 +175,17 @@ class SaveFinalState(L.Callback):
         )
 
 
+class WithBackbone(Classifier):
+    """Lightning's fine-tuning set-up: a ``backbone`` (the first layer) and an optimizer over what is trainable."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer=optimizer)
+        self.backbone = self.net[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -200,6 +211,7 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="validate on 8 batches after every epoch")
     parser.add_argument("--sigterm-at-step", type=int, help="rank 1 alone gets SIGTERM after this step")
     parser.add_argument("--skip-at-step", type=int, help="every replica of every rank skips this step")
+    parser.add_argument("--finetune", action="store_true", help="BackboneFinetuning: net.0 frozen until epoch 1")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
@@ -218,6 +230,8 @@ def main() -> None:
         callbacks.append(watch)
     if sigterm is not None:
         callbacks.append(sigterm)
+    if args.finetune:
+        callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1))
     if args.tune:  # threshold 0: it climbs to max_replicas unless a step gets slower; each rank's clock differs
         callbacks.append(ReplicaAutoTuner("throughput", window=1, warmup=0, threshold=0.0, max_replicas=3))
     k = args.k + (int(os.environ.get("LOCAL_RANK", 0)) if args.mismatch else 0)
@@ -246,6 +260,8 @@ def main() -> None:
     datamodule = Unsharded(samples, args.validate) if args.distributed_sampler or balancer is not None else Sharded()
     if args.skip_at_step is not None:
         model: Classifier = SkipsAtStep(args.skip_at_step, optimizer=args.optimizer)
+    elif args.finetune:
+        model = WithBackbone(optimizer=args.optimizer)
     else:
         model = Classifier(optimizer=args.optimizer)
     try:

@@ -152,6 +152,21 @@ def test_resume_on_two_processes_is_exact(tmp_path: Path) -> None:
             assert torch.equal(a["replicas"][name], b["replicas"][name])
 
 
+def test_backbone_finetuning_on_two_processes_gives_the_unfrozen_backbone_replicas_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Both ranks give the backbone its replicas when the callback unfreezes it (epoch 1), in the same flat
+    buffers, which the averaging all-reduces: it trains from then on, and z stays identical on both ranks."""
+    result = _run(tmp_path, "popen", "2", "--finetune", "--epochs", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
+    assert list(ranks[0]["replicas"]) == ["net.2.weight", "net.2.bias", "net.0.weight", "net.0.bias"]
+    assert ranks[0]["replicas"]["net.0.weight"].shape[0] == 2
+    assert not torch.equal(ranks[0]["z"][0], make_net().state_dict()["0.weight"])  # (trained in epoch 1)
+
+
 def test_a_killed_run_resumes_from_its_last_checkpoint_exactly(tmp_path: Path) -> None:
     """Both processes are SIGKILLed mid-epoch; resuming from the last epoch-end checkpoint loses nothing."""
     straight = tmp_path / "straight"
