@@ -22,6 +22,7 @@ replica the gradient of its own loss, in the stack's ``.grad``.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 import warnings
@@ -354,7 +355,7 @@ class FusedEngine(Engine):
         recorded: list[Any] = []
         returned_dict = [False]
         skipped_all = [False]
-        plain_extras: dict[str, Any] = {}  # the dict output's values that are plain data (one for every replica)
+        plain_extras: dict[str, Any] = {}  # the dict output's values that are plain numbers (one for every replica)
         extras_order: list[str] = []
 
         def one_replica(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Any:
@@ -369,10 +370,10 @@ class FusedEngine(Engine):
                 return torch.zeros((), device=device), {}, logged, replaced
             tensors = {key: value for key, value in extra.items() if isinstance(value, Tensor)}
             others = {key: value for key, value in extra.items() if key not in tensors}
-            if not all(_plain_data(value) for value in others.values()):
+            if not all(_plain_numbers(value) for value in others.values()):
                 raise NotFusableError(
-                    "training_step returned a dict with values that are neither tensors nor plain data (numbers,"
-                    " strings, None, and lists, tuples and dicts of them)"
+                    "training_step returned a dict with values that are neither tensors nor plain numbers (None,"
+                    " numbers, and lists, tuples and dicts of them: a string may show every replica's data under vmap)"
                 )
             plain_extras.update(others)  # (under vmap one control flow: every replica's value is this one)
             extras_order[:] = extra
@@ -411,7 +412,8 @@ class FusedEngine(Engine):
             k = stack.num_replicas
             every = torch.ones(k, dtype=torch.bool, device=device)
             return ReplicaStepOutput(None, torch.zeros(k, device=device), {}, returned_dict[0], every)
-        merged = {**_merge_stacked_extras(extras), **{key: [v] * stack.num_replicas for key, v in plain_extras.items()}}
+        copies = {key: [copy.deepcopy(v) for _ in range(stack.num_replicas)] for key, v in plain_extras.items()}
+        merged = {**_merge_stacked_extras(extras), **copies}
         extras = {key: merged[key] for key in extras_order}  # (in the order training_step gave them)
         return ReplicaStepOutput(losses.sum(), losses.detach(), extras, returned_dict[0])
 
@@ -740,7 +742,7 @@ def _merge_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
     for key in dict.fromkeys(key for extra in extras for key in extra):  # every replica's keys, in order
         values = [extra.get(key) for extra in extras]
         present = [v for v in values if v is not None]
-        if all(isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() for v in present):
+        if present and all(isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() for v in present):
             merged[key] = torch.stack([v.detach() for v in present]).mean(0)
         else:
             merged[key] = [v.detach() if isinstance(v, Tensor) else v for v in values]
@@ -757,15 +759,17 @@ def _merge_stacked_extras(extras: dict[str, Tensor]) -> dict[str, Any]:
     }
 
 
-def _plain_data(value: Any) -> bool:
-    """Whether ``value`` is plain data: None, a bool, number or string, or a list, tuple or dict of plain data (no
-    tensor, nor any other object that might hold one)."""
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+def _plain_numbers(value: Any) -> bool:
+    """Whether ``value`` is None, a bool or a number, or a list, tuple or dict (keyed by strings or numbers) of such:
+    what a ``training_step`` under vmap cannot compute from a replica's data (a tensor's ``.item()`` raises there),
+    so the one value it computes is every replica's. Not a string (``str(tensor)`` under vmap shows every replica's
+    data), nor any other object (it might hold a tensor)."""
+    if value is None or isinstance(value, (bool, int, float, complex)):
         return True
     if type(value) in (list, tuple):
-        return all(_plain_data(item) for item in value)
+        return all(_plain_numbers(item) for item in value)
     if type(value) is dict:
-        return all(_plain_data(key) and _plain_data(item) for key, item in value.items())
+        return all(isinstance(key, (str, int)) and _plain_numbers(item) for key, item in value.items())
     return False
 
 

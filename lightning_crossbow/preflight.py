@@ -1,5 +1,5 @@
 """Before training: refusals and warnings (what crossbow's replicas would silently undo or outgrow, and why), and
-Lightning callbacks adapted to a step of k batches."""
+Lightning callbacks adapted to crossbow (a step of k batches; an optimizer over stacked replicas)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import re
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -196,29 +196,31 @@ def test_nested_dict_list_batches_and_dict_outputs(engine: str) -> None:
         torch.testing.assert_close(a, b)
 
 
-class _ReturnsPlainData(Classifier):
-    """Returns, beside the loss, plain data (a count, a string, a list and a dict of them) and a tensor; with
-    ``nested``, also a tensor inside a list, which cannot leave vmap that way."""
+class _ReturnsPlainNumbers(Classifier):
+    """Returns, beside the loss, plain numbers (a count, None, a list and a dict of them) and a tensor; with
+    ``other``, also a value that is neither (a string made from the labels, or a tensor inside a list)."""
 
-    def __init__(self, nested: bool = False) -> None:
+    def __init__(self, other: Optional[str] = None) -> None:
         super().__init__()
-        self.nested = nested
+        self.other = other
         self.outputs: list[dict[str, Any]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
-        output = {"loss": loss, "n": len(y), "tag": "ok", "sizes": [len(y), 2], "meta": {"k": None}, "y": y}
-        return {**output, "nested": [y]} if self.nested else output
+        output = {"loss": loss, "n": len(y), "none": None, "sizes": [len(y), 2], "meta": {"k": None}, "y": y}
+        if self.other is not None:
+            output["other"] = str(y[:3]) if self.other == "string" else [y]
+        return output
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.outputs.append({key: value for key, value in outputs.items() if key != "loss"})
 
 
-def test_a_dict_output_with_plain_data_runs_fused_and_gives_each_replicas_value_as_sequential_does() -> None:
+def test_a_dict_output_with_plain_numbers_runs_fused_and_gives_each_replicas_value_as_sequential_does() -> None:
     outputs = {}
     for engine in ("fused", "sequential"):
-        model = _ReturnsPlainData()
+        model = _ReturnsPlainNumbers()
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_steps=2).fit(
@@ -227,15 +229,24 @@ def test_a_dict_output_with_plain_data_runs_fused_and_gives_each_replicas_value_
         assert not [w for w in record if "Falling back" in str(w.message)]
         outputs[engine] = model.outputs
     for fused, sequential in zip(outputs["fused"], outputs["sequential"], strict=True):
-        assert list(fused) == list(sequential) == ["n", "tag", "sizes", "meta", "y"]  # (in the order returned)
-        assert fused["n"] == sequential["n"] == [8, 8] and fused["tag"] == ["ok", "ok"]
+        assert list(fused) == list(sequential) == ["n", "none", "sizes", "meta", "y"]  # (in the order returned)
+        assert fused["n"] == sequential["n"] == [8, 8] and fused["none"] == sequential["none"] == [None, None]
         assert fused["sizes"] == [[8, 2], [8, 2]] and fused["meta"] == [{"k": None}] * 2
+        assert fused["meta"][0] is not fused["meta"][1]  # (each replica's own, as sequential gives)
         for a, b in zip(fused["y"], sequential["y"], strict=True):
             assert torch.equal(a, b)
-    model = _ReturnsPlainData(nested=True)
-    with pytest.warns(UserWarning, match="values that are neither tensors nor plain data"):
+
+
+@pytest.mark.parametrize("other", ["string", "nested tensor"])
+def test_a_dict_output_with_other_values_falls_back_and_gives_each_replicas_own(other: str) -> None:
+    """A string can be made from a replica's data under vmap (``str(y)`` shows every replica's); a tensor in a list
+    cannot leave vmap: both run sequentially, with the reason."""
+    model = _ReturnsPlainNumbers(other)
+    with pytest.warns(UserWarning, match="values that are neither tensors nor plain numbers"):
         trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=1).fit(model, loader(make_data()))
-    assert torch.equal(model.outputs[0]["nested"][1][0], make_data()[8:16][1])  # (replica 1's own, sequentially)
+    replica_1_labels = make_data()[8:16][1]
+    expected = str(replica_1_labels[:3]) if other == "string" else [replica_1_labels]
+    assert str(model.outputs[0]["other"][1]) == str(expected)
 
 
 # ------------------------------------------------------------------------------ schedulers
