@@ -1259,7 +1259,7 @@ class _UnfreezesInTwoStages(BaseFinetuning):
 
 
 class _WithABias(_WithBackbone):
-    """(a parameter trainable from the start: the two stages' layers are frozen before training)"""
+    """With a parameter of its own, trainable from the start (the two stages freeze both layers before training)."""
 
     def __init__(self) -> None:
         super().__init__()
