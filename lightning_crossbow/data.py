@@ -191,9 +191,9 @@ class ReplicaBatchLoader:
         self._fetcher = group_fetching_loader(loader) if fetch_groups else None
         self._drawn = 0  # batches drawn from the wrapped loader in the current pass
         self._pass_length: Optional[int] = None  # its batches (None without a length, or for a routed share)
-        #: The pass's iterator and the batches left in it that fill no group: drawn when the next pass starts (or
-        #: when training ends).
-        self._tail: Optional[tuple[Iterator[Any], int]] = None
+        #: The pass's iterator while its groups are not all made: its batches that fill no group (at k as it is
+        #: then) are drawn when the next pass starts, or when training ends (:meth:`draw_tail`).
+        self._tail: Optional[Iterator[Any]] = None
         #: The batches a pass takes where fewer than the wrapped loader's (a fractional ``limit_train_batches``, as
         #: Lightning counts it): those that fill no group are drawn all the same, as plain Lightning draws them.
         self.batch_limit: Optional[int] = None
@@ -229,9 +229,7 @@ class ReplicaBatchLoader:
                     )
                 return
             self.groups_yielded += 1
-            left = self._left_in_pass()
-            if left is not None and 0 < left and len(self._returned) + left < self._group_size():
-                self._tail = (batches, left)  # unless another group is asked for, they fill none
+            self._tail = batches  # (if no other group is asked for)
             yield ReplicaGroup(group)
 
     def _draw(self, batches: Iterator[Any], count: int) -> list[Any]:
@@ -247,11 +245,13 @@ class ReplicaBatchLoader:
         return None if self._pass_length is None else self._pass_length - self._drawn
 
     def draw_tail(self) -> None:
-        """Draws the last pass's batches that filled no group, as plain Lightning draws every batch of a pass (also
-        called when training ends, so that a later fit's draws go on from there)."""
-        if self._tail is not None:
-            batches, left = self._tail
-            self._tail = None
+        """Draws the last pass's batches that filled no group at k as it is now (also after a change of k that left
+        fewer batches than the new k), as plain Lightning draws every batch of a pass; called when the next pass
+        starts, and when training ends, so that a later fit's draws go on from there. A pass stopped with batches
+        left for a group (by ``max_steps``, an integer limit) leaves them undrawn, as plain Lightning does."""
+        batches, self._tail = self._tail, None
+        left = self._left_in_pass()
+        if batches is not None and left is not None and 0 < left and len(self._returned) + left < self._group_size():
             self._draw(batches, left)
 
     def forget_tail(self) -> None:

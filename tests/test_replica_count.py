@@ -129,6 +129,30 @@ def test_a_smaller_k_at_the_epochs_last_step_trains_the_batches_left_over_in_tha
     assert fit.global_step == 4 + 7
 
 
+class _CountsItems(torch.utils.data.Dataset):
+    def __init__(self, num_samples: int) -> None:
+        self.data, self.fetched = make_data(num_samples=num_samples), 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        self.fetched += 1
+        return self.data[index]
+
+
+def test_batches_that_a_larger_k_leaves_over_at_a_pass_end_are_drawn_as_plain_lightning_draws_them() -> None:
+    """10 batches at k=2; k=3 asked for after the fourth group leaves 2 batches that fill no group: drawn all the
+    same (when the next pass starts), so both epochs fetch every item, as plain Lightning does."""
+    fetched = []
+    for strategy, callbacks in (("auto", []), (CrossbowStrategy(replicas_per_device=2), [ChangeReplicasAtBatch(3, 3)])):
+        dataset = _CountsItems(num_samples=80)
+        trainer(strategy=strategy, callbacks=callbacks, max_epochs=2).fit(Classifier(), loader(dataset))
+        fetched.append(dataset.fetched)
+    assert callbacks[0].group_sizes == [2, 2, 2, 2, 3, 3, 3]
+    assert fetched[1] == fetched[0] == 160
+
+
 def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
     change = ChangeReplicasAtBatch(at_step=2, new_k=4)  # batch 2 opens an accumulation window of 2
     fit = trainer(
