@@ -273,6 +273,7 @@ class CrossbowStrategy(DDPStrategy):
         self._train_fraction: Optional[float] = None
         self._epoch_length_follows_k = False
         self._k_changed_in_epoch = False  # (then a fractional val_check_interval is timed by batches: see below)
+        self._step_group_size: Optional[int] = None  #: batches of the step in progress (or the last one)
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
         self._group: Optional[list[Any]] = None  # the group of batches of the step in progress
@@ -602,8 +603,9 @@ class CrossbowStrategy(DDPStrategy):
             self._k_changed_in_epoch = False
         if (batch_idx == 0 and self._epoch_length_follows_k) or self._resumed_mid_pass():
             self._fit_epoch_length(trainer)  # Lightning counted the epoch's steps at another k
-        if self._times_validation_by_batches(trainer) and isinstance(batch, list):
-            self._time_fractional_validation(trainer, len(batch), batch_idx)
+        self._step_group_size = len(batch) if isinstance(batch, list) else None
+        if self._times_validation_by_batches(trainer) and self._step_group_size is not None:
+            self._time_fractional_validation(trainer, self._step_group_size, batch_idx)
         assert self.stack is not None
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
             split = self.routing.split_at(self._grouped.current_group)
@@ -818,6 +820,11 @@ class CrossbowStrategy(DDPStrategy):
             self._k_changed_in_epoch = True
         self._epoch_length_follows_k = True
         self._fit_epoch_length(trainer)
+        if self._step_group_size is not None and self._times_validation_by_batches(trainer):
+            # The step in progress was told whether it validates at the old k; the new k may end the epoch at it
+            # (fewer batches left than k), or no longer (a smaller k makes one more step of the batches left).
+            batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+            self._time_fractional_validation(trainer, self._step_group_size, batch_idx)
 
     def _times_validation_by_batches(self, trainer: "pl.Trainer") -> bool:
         """Whether this epoch's k changed under a fractional ``val_check_interval`` and ``limit_train_batches`` (see

@@ -153,6 +153,33 @@ def test_batches_that_a_larger_k_leaves_over_at_a_pass_end_are_drawn_as_plain_li
     assert fetched[1] == fetched[0] == 160
 
 
+class _RecordsValidation(L.Callback):
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, int]] = []  # (epoch, global step) of each validation
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.runs.append((trainer.current_epoch, trainer.global_step))
+
+
+@pytest.mark.parametrize(
+    ("k", "new_k", "at", "sizes", "validated_at"),
+    [
+        (2, 3, 3, [2, 2, 2, 2, 3, 3, 3], [(0, 4), (1, 7)]),  # (2 batches left: no step of 3)
+        (4, 2, 1, [4, 4, 2, 2, 2, 2, 2, 2], [(0, 3), (1, 8)]),  # (2 batches left: one step of 2)
+    ],
+    ids=["a larger k ends the epoch at the step in progress", "a smaller k makes one more step"],
+)
+def test_a_change_of_k_at_an_epochs_end_validates_once_at_its_last_step(k, new_k, at, sizes, validated_at) -> None:
+    """10 batches: the step in progress was told at the old k whether it ends the epoch (and validates); the new k
+    changes that, and it is told again: one validation per epoch, after its last step."""
+    change, validations = ChangeReplicasAtBatch(at, new_k), _RecordsValidation()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=k), callbacks=[change, validations], max_epochs=2)
+    fit.fit(Classifier(), loader(make_data(num_samples=80)), loader(make_data(num_samples=16, seed=1)))
+    assert change.group_sizes == sizes
+    assert validations.runs == validated_at  # (epoch, global step)
+
+
 def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
     change = ChangeReplicasAtBatch(at_step=2, new_k=4)  # batch 2 opens an accumulation window of 2
     fit = trainer(
