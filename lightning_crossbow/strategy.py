@@ -273,7 +273,10 @@ class CrossbowStrategy(DDPStrategy):
         self._train_fraction: Optional[float] = None
         self._epoch_length_follows_k = False
         self._k_changed_in_epoch = False  # (then a fractional val_check_interval is timed by batches: see below)
-        self._step_group_size: Optional[int] = None  #: batches of the step in progress (or the last one)
+        self._in_a_step = False  #: whether a step of crossbow's groups has started in this fit
+        #: Of this epoch's checks of a fractional ``val_check_interval`` (timed by batches), those validated, and
+        #: those the step in progress validates if it is told to.
+        self._checks_done = self._checks_if_validated = 0
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
         self._group: Optional[list[Any]] = None  # the group of batches of the step in progress
@@ -601,11 +604,12 @@ class CrossbowStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if batch_idx == 0:
             self._k_changed_in_epoch = False
+            self._checks_done = self._checks_if_validated = 0
         if (batch_idx == 0 and self._epoch_length_follows_k) or self._resumed_mid_pass():
             self._fit_epoch_length(trainer)  # Lightning counted the epoch's steps at another k
-        self._step_group_size = len(batch) if isinstance(batch, list) else None
-        if self._times_validation_by_batches(trainer) and self._step_group_size is not None:
-            self._time_fractional_validation(trainer, self._step_group_size, batch_idx)
+        self._in_a_step = isinstance(batch, list)
+        if self._times_validation_by_batches(trainer) and self._in_a_step:
+            self._time_fractional_validation(trainer, batch_idx)
         assert self.stack is not None
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
             split = self.routing.split_at(self._grouped.current_group)
@@ -820,11 +824,11 @@ class CrossbowStrategy(DDPStrategy):
             self._k_changed_in_epoch = True
         self._epoch_length_follows_k = True
         self._fit_epoch_length(trainer)
-        if self._step_group_size is not None and self._times_validation_by_batches(trainer):
+        if self._in_a_step and self._times_validation_by_batches(trainer):
             # The step in progress was told whether it validates at the old k; the new k may end the epoch at it
             # (fewer batches left than k), or no longer (a smaller k makes one more step of the batches left).
             batch_idx = trainer.fit_loop.epoch_loop.batch_idx
-            self._time_fractional_validation(trainer, self._step_group_size, batch_idx)
+            self._time_fractional_validation(trainer, batch_idx)
 
     def _times_validation_by_batches(self, trainer: "pl.Trainer") -> bool:
         """Whether this epoch's k changed under a fractional ``val_check_interval`` and ``limit_train_batches`` (see
@@ -844,21 +848,24 @@ class CrossbowStrategy(DDPStrategy):
         assert self._grouped is not None
         return int(self._grouped.batches_per_pass() * fraction)
 
-    def _time_fractional_validation(self, trainer: "pl.Trainer", group_size: int, batch_idx: int) -> None:
+    def _time_fractional_validation(self, trainer: "pl.Trainer", batch_idx: int) -> None:
         """In an epoch whose k changed, a fractional ``val_check_interval`` f validates after each step whose batches
-        reach the next multiple of ``int(f N)`` (N: the epoch's batches; plain Lightning validates every ``int(f N)``
-        batches), and after the epoch's last step when that leaves one of the ``int(1 / f)`` checks undone (its
-        batches that fill no step would have reached it). Lightning validates every ``val_check_batch`` steps, a
-        count that no single k gives such an epoch: each step is told whether it is one."""
+        reach a multiple of ``int(f N)`` not yet validated for (N: the epoch's batches; plain Lightning validates every
+        ``int(f N)`` batches, ``N // int(f N)`` times an epoch), and after the epoch's last step while one of those
+        checks is undone (its batches that fill no step would have reached it). A validation does every check its
+        step reached (one step may reach two), and one that Lightning ran by its count of steps, before k changed,
+        does one. Lightning validates every ``val_check_batch`` steps, a count that no single k gives such an epoch:
+        each step is told whether it is one, once its group is drawn (``batch_idx``: the step's)."""
         assert self._grouped is not None
         interval = float(trainer.val_check_interval)
-        every = max(1, int(interval * self._epoch_batches(float(self._train_limit(trainer)))))
+        epoch_batches = self._epoch_batches(float(self._train_limit(trainer)))
+        every = max(1, int(interval * epoch_batches))
+        checks = max(1, epoch_batches // every)
         after = self._grouped.batches_taken  # (this step's group drawn)
-        checks_before = (after - group_size) // every
         loop = trainer.fit_loop.epoch_loop
-        reaches = after // every > checks_before or (
-            loop.batch_progress.is_last_batch and checks_before < math.floor(1 / interval + 1e-9)
-        )
+        done, reached, last = self._checks_done, min(after // every, checks), loop.batch_progress.is_last_batch
+        reaches = reached > done or (last and done < checks)
+        self._checks_if_validated = (checks if last else reached) if reaches else 0
         iteration = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
         trainer.val_check_batch = iteration + 1 if reaches else iteration + 2  # (Lightning: (iteration + 1) % it == 0)
 
@@ -1397,6 +1404,10 @@ class CrossbowStrategy(DDPStrategy):
 
     @override
     def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:  # (a check of this epoch done)
+            self._checks_done = max(self._checks_done + 1, self._checks_if_validated)
+            self._checks_if_validated = 0
         self.sync_center()
 
     @override

@@ -180,6 +180,34 @@ def test_a_change_of_k_at_an_epochs_end_validates_once_at_its_last_step(k, new_k
     assert validations.runs == validated_at  # (epoch, global step)
 
 
+@pytest.mark.parametrize(
+    ("interval", "k", "changes", "validated_at"),
+    [
+        # Lightning validates after steps 2 and 4 of k=2 by its count of steps (every int(5 * 0.5) steps): the check
+        # at step 2 counts once, also when k then changes (a larger k after the last step, or one that ends the epoch).
+        (0.5, 2, {}, [(0, 2), (0, 4)]),
+        (0.5, 2, {4: 3}, [(0, 2), (0, 4)]),
+        (0.5, 2, {2: 3}, [(0, 2), (0, 4)]),
+        # A check every 2 of 10 batches, 5 an epoch: a step of 3 batches that reaches two of them validates once for
+        # both, and the epoch's last step (batch 10 fills no step) does the fifth.
+        (0.25, 3, {1: 1, 4: 4}, [(0, 1), (0, 2), (0, 4), (0, 5)]),
+    ],
+)
+def test_a_fractional_validation_interval_counts_each_check_once_when_k_changes(interval, k, changes, validated_at):
+    class ChangesAt(ChangeReplicas):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.current_epoch == 0 and trainer.fit_loop.epoch_loop.batch_idx in changes:
+                trainer.strategy.set_replicas_per_device(changes[trainer.fit_loop.epoch_loop.batch_idx])
+
+    validations = _RecordsValidation()
+    strategy = CrossbowStrategy(replicas_per_device=k)
+    fit = trainer(
+        strategy=strategy, callbacks=[ChangesAt(-1, 0), validations], max_epochs=1, val_check_interval=interval
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=80)), loader(make_data(num_samples=16, seed=1)))
+    assert validations.runs == validated_at  # (epoch, global step)
+
+
 def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
     change = ChangeReplicasAtBatch(at_step=2, new_k=4)  # batch 2 opens an accumulation window of 2
     fit = trainer(
