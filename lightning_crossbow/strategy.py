@@ -634,7 +634,7 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
         unfrozen = [name for name, param in self._without_replicas if param.requires_grad]
         if unfrozen:
-            self._give_replicas_to(unfrozen)
+            self._give_replicas_to([unfrozen])
             rank_zero_info(
                 f"crossbow: {', '.join(unfrozen)} unfrozen: {self.stack.num_replicas} replica(s) of each made from z."
             )
@@ -651,14 +651,17 @@ class CrossbowStrategy(DDPStrategy):
             self._unfuse_for_replicas(optimizer)  # (the new group may ask for fused kernels)
             self._param_groups_seen = len(optimizer.param_groups)
 
-    def _give_replicas_to(self, names: list[str]) -> None:
-        """Parameters that had no replicas (frozen when training started) get them, each replica a copy of z
-        (:meth:`~lightning_crossbow.replicas.ReplicaStack.add_replicas_`): the optimizer, the engine and the mean
-        gradients that hooks see take them in. Every process does this at the same point (a callback's unfreezing
-        runs on each), so their flat buffers, which the averaging all-reduces, keep one layout."""
+    def _give_replicas_to(self, buckets: list[list[str]]) -> None:
+        """Parameters that had no replicas (frozen when training started) get them, each replica a copy of z, the
+        names of each list of ``buckets`` in flat buffers of their own
+        (:meth:`~lightning_crossbow.replicas.ReplicaStack.add_replicas_`); then the optimizer, the engine and the
+        mean gradients that hooks see take them in, once. Every process does this at the same point (a callback's
+        unfreezing runs on each), so their flat buffers, which the averaging all-reduces, keep one layout."""
         assert self.stack is not None and self.engine is not None
-        self.stack.add_replicas_(self.lightning_module, names)
-        self._without_replicas = [(name, param) for name, param in self._without_replicas if name not in names]
+        for names in buckets:
+            self.stack.add_replicas_(self.lightning_module, names)
+        given = {name for names in buckets for name in names}
+        self._without_replicas = [(name, param) for name, param in self._without_replicas if name not in given]
         self._repoint_optimizer()
         self._expose_mean_gradients()  # (on the new leaves too)
         self._renew_engine(self.stack.num_replicas)  # (a fused engine found its layers for the old leaves)
@@ -1533,10 +1536,10 @@ class CrossbowStrategy(DDPStrategy):
         counts = state.get("pass_counts") if state is not None else None
         self._resumed_pass_counts = (counts[0], counts[1]) if counts else None
         saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None
-        for names in saved_layout or []:  # parameters that got replicas once unfrozen get them again, as they were
-            without_replicas = {name for name, _ in self._without_replicas}
-            if names and all(name in without_replicas for name in names):
-                self._give_replicas_to(names)
+        without_replicas = {name for name, _ in self._without_replicas}
+        regained = [names for names in saved_layout or [] if names and all(name in without_replicas for name in names)]
+        if regained:  # parameters that got replicas once unfrozen get them again, in the buckets they had
+            self._give_replicas_to(regained)
         if self.routing is not None:
             same_layout = self._restore_split(state)
         else:
