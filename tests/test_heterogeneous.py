@@ -17,7 +17,7 @@ from lightning_crossbow import CrossbowStrategy, SpeedBalancer
 from lightning_crossbow.balancing import StepTime, split_learners, step_seconds
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
 from tests.helpers import Classifier, loader, make_data, make_net, trainer
-from tests.test_multiprocess import _run
+from tests.test_multiprocess import ANY_LAUNCHER, _run
 
 BATCH = 8
 
@@ -191,18 +191,25 @@ def test_heterogeneous_mode_refuses_a_batch_sampler_given_to_the_loader_saying_s
 def _heterogeneous_run(out: Path, *extra: str, k: int = 4, costs: str = "1,3") -> list[dict]:
     out.mkdir(exist_ok=True)
     result = _run(
-        out, "popen", str(k), "--heterogeneous", costs, "--samples", "188", "--algorithm", "scaled_averaging",
+        out, ANY_LAUNCHER, str(k), "--heterogeneous", costs, "--samples", "188", "--algorithm", "scaled_averaging",
         "--outer-lr", "2.0", "--optimizer", "plain_sgd", *extra,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
-def test_a_three_times_slower_rank_gets_a_quarter_of_the_learners_and_the_values_stay_exact(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def four_epochs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """What each rank of a 4-epoch run with a 3x slower rank 1 (K = 8) ended with."""
+    return _heterogeneous_run(tmp_path_factory.mktemp("four_epochs"), "--epochs", "4")
+
+
+def test_a_three_times_slower_rank_gets_a_quarter_of_the_learners_and_the_values_stay_exact(
+    four_epochs: list[dict],
+) -> None:
     """K = 8 learners; rank 1's device takes 3x as long per learner-step (a virtual clock). After one window
     the split is (6, 2), every sample is still trained on once per epoch, and z is the reference's."""
-    epochs = 4
-    ranks = _heterogeneous_run(tmp_path / "run", "--epochs", str(epochs))
+    epochs, ranks = 4, four_epochs
     assert [split for _, split in ranks[0]["splits"]] == [(4, 4), (6, 2)]
     assert ranks[0]["replicas_per_device"] == 6 and ranks[1]["replicas_per_device"] == 2
     assert ranks[0]["global_step"] == epochs * 3  # 24 batches of the common order per epoch, 8 per step
@@ -248,8 +255,10 @@ def test_with_lightnings_distributed_sampler_validation_is_shared_and_training_r
         assert torch.equal(a, b)
 
 
-def test_heterogeneous_resume_carries_on_with_the_measured_split_exactly(tmp_path: Path) -> None:
-    straight = _heterogeneous_run(tmp_path / "straight", "--epochs", "4")
+def test_heterogeneous_resume_carries_on_with_the_measured_split_exactly(
+    tmp_path: Path, four_epochs: list[dict]
+) -> None:
+    straight = four_epochs
     checkpoint = str(tmp_path / "half.ckpt")
     _heterogeneous_run(tmp_path / "half", "--epochs", "2", "--save", checkpoint)
     resumed = _heterogeneous_run(tmp_path / "half", "--epochs", "4", "--resume", checkpoint)
@@ -286,7 +295,7 @@ def test_heterogeneous_mode_refuses_an_iterable_dataset() -> None:
 
 def test_ranks_with_different_datasets_fail_before_training(tmp_path: Path) -> None:
     tmp_path.mkdir(exist_ok=True)
-    result = _run(tmp_path, "popen", "2", "--heterogeneous", "1,1", "--samples", "96", "--uneven-datasets")
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--heterogeneous", "1,1", "--samples", "96", "--uneven-datasets")
     assert result.returncode != 0
     assert (
         "ValueError: crossbow: heterogeneous=True needs the whole dataset and the same seed on every rank"

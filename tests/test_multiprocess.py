@@ -22,6 +22,9 @@ from tests.helpers import (
 )
 
 SCRIPT = Path(__file__).with_name("multiprocess_script.py")
+#: The launcher of tests about something else. Under torchrun both processes import torch and Lightning at once;
+#: Lightning's own launcher starts the second process only when the first reaches ``fit`` (some 4 s more a run here).
+ANY_LAUNCHER = "torchrun"
 
 
 def _run(tmp_path: Path, launcher: str, *args: str) -> subprocess.CompletedProcess:
@@ -91,7 +94,7 @@ def test_two_processes_match_the_reference_over_all_learners(tmp_path: Path, lau
 def test_scaled_averaging_on_two_processes_matches_the_reference_over_all_learners(tmp_path: Path) -> None:
     """The gain is measured over all K = 4 learners of both ranks (its statistics ride in the buckets' all-reduce)."""
     k, epochs = 2, 2
-    result = _run(tmp_path, "popen", str(k), "--epochs", str(epochs), "--algorithm", "scaled_averaging")
+    result = _run(tmp_path, ANY_LAUNCHER, str(k), "--epochs", str(epochs), "--algorithm", "scaled_averaging")
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
@@ -108,7 +111,7 @@ def test_scaled_averaging_on_two_processes_matches_the_reference_over_all_learne
 def test_gossip_on_two_processes_matches_the_reference_over_all_learners(tmp_path: Path) -> None:
     """K = 4 learners over 2 ranks: the shifts 1, 2, 3 mix within a rank, across ranks, and both at once."""
     k, epochs = 2, 2
-    result = _run(tmp_path, "popen", str(k), "--epochs", str(epochs), "--algorithm", "gossip")
+    result = _run(tmp_path, ANY_LAUNCHER, str(k), "--epochs", str(epochs), "--algorithm", "gossip")
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     z, learners = reference_run(
@@ -128,13 +131,27 @@ def test_gossip_on_two_processes_matches_the_reference_over_all_learners(tmp_pat
                 torch.testing.assert_close(stacked[j], learners[rank * k + j][index])
 
 
-def test_resume_on_two_processes_is_exact(tmp_path: Path) -> None:
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    assert _run(straight, "popen", "2", "--epochs", "4").returncode == 0
-    half = tmp_path / "half"
-    half.mkdir()
-    result = _run(half, "popen", "2", "--epochs", "2", "--save", str(tmp_path / "half.ckpt"))
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a 4-epoch run of k=2 on 2 processes left each rank's z and replicas, for the resume tests."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = _run(out, ANY_LAUNCHER, "2", "--epochs", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _assert_same_end(a_run: Path, b_run: Path) -> None:
+    for rank in range(2):
+        a, b = torch.load(a_run / f"rank{rank}.pt"), torch.load(b_run / f"rank{rank}.pt")
+        assert a["global_step"] == b["global_step"] == 12
+        for x, y in zip(a["z"], b["z"], strict=True):
+            assert torch.equal(x, y)
+        for name in a["replicas"]:
+            assert torch.equal(a["replicas"][name], b["replicas"][name])
+
+
+def test_resume_on_two_processes_is_exact(tmp_path: Path, uninterrupted_run: Path) -> None:
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--epochs", "2", "--save", str(tmp_path / "half.ckpt"))
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = torch.load(tmp_path / "half.ckpt", weights_only=False)
     central, ranks = checkpoint["optimizer_states"][0]["state"], checkpoint["crossbow"]["ranks"]
@@ -142,14 +159,9 @@ def test_resume_on_two_processes_is_exact(tmp_path: Path) -> None:
         rows = torch.cat([rank["optimizer"]["state"][index]["momentum_buffer"] for rank in ranks])
         assert rows.shape[0] == 4
         torch.testing.assert_close(entry["momentum_buffer"], rows.mean(0))
-    result = _run(half, "popen", "2", "--epochs", "4", "--resume", str(tmp_path / "half.ckpt"))
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--epochs", "4", "--resume", str(tmp_path / "half.ckpt"))
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in range(2):
-        a, b = torch.load(straight / f"rank{rank}.pt"), torch.load(half / f"rank{rank}.pt")
-        for x, y in zip(a["z"], b["z"]):
-            assert torch.equal(x, y)
-        for name in a["replicas"]:
-            assert torch.equal(a["replicas"][name], b["replicas"][name])
+    _assert_same_end(uninterrupted_run, tmp_path)
 
 
 def test_backbone_finetuning_on_two_processes_gives_the_unfrozen_backbone_replicas_on_every_rank(
@@ -157,7 +169,7 @@ def test_backbone_finetuning_on_two_processes_gives_the_unfrozen_backbone_replic
 ) -> None:
     """Both ranks give the backbone its replicas when the callback unfreezes it (epoch 1), in the same flat
     buffers, which the averaging all-reduces: it trains from then on, and z stays identical on both ranks."""
-    result = _run(tmp_path, "popen", "2", "--finetune", "--epochs", "2")
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--finetune", "--epochs", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
@@ -167,32 +179,22 @@ def test_backbone_finetuning_on_two_processes_gives_the_unfrozen_backbone_replic
     assert not torch.equal(ranks[0]["z"][0], make_net().state_dict()["0.weight"])  # (trained in epoch 1)
 
 
-def test_a_killed_run_resumes_from_its_last_checkpoint_exactly(tmp_path: Path) -> None:
+def test_a_killed_run_resumes_from_its_last_checkpoint_exactly(tmp_path: Path, uninterrupted_run: Path) -> None:
     """Both processes are SIGKILLed mid-epoch; resuming from the last epoch-end checkpoint loses nothing."""
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    assert _run(straight, "popen", "2", "--epochs", "4").returncode == 0
-    crashed, checkpoints = tmp_path / "crashed", tmp_path / "checkpoints"
-    crashed.mkdir()
-    result = _run(crashed, "popen", "2", "--epochs", "4", "--checkpoint-dir", str(checkpoints), "--kill-at-step", "7")
+    checkpoints = tmp_path / "checkpoints"
+    result = _run(tmp_path, "popen", "2", "--epochs", "4", "--checkpoint-dir", str(checkpoints), "--kill-at-step", "7")
     assert result.returncode == -9, result.stderr[-3000:]  # killed: 3 steps per epoch, so during the third epoch
-    assert not list(crashed.glob("rank*.pt"))  # it never reached the end of training
+    assert not list(tmp_path.glob("rank*.pt"))  # it never reached the end of training
     assert sorted(path.name for path in checkpoints.iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
 
-    result = _run(crashed, "popen", "2", "--epochs", "4", "--resume", str(checkpoints / "epoch=1-step=6.ckpt"))
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--epochs", "4", "--resume", str(checkpoints / "epoch=1-step=6.ckpt"))
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in range(2):
-        a, b = torch.load(straight / f"rank{rank}.pt"), torch.load(crashed / f"rank{rank}.pt")
-        assert a["global_step"] == b["global_step"] == 12
-        for x, y in zip(a["z"], b["z"], strict=True):
-            assert torch.equal(x, y)
-        for name in a["replicas"]:
-            assert torch.equal(a["replicas"][name], b["replicas"][name])
+    _assert_same_end(uninterrupted_run, tmp_path)
 
 
 def test_a_tuned_k_is_the_same_on_every_rank_at_every_step(tmp_path: Path) -> None:
     """Each rank measures its own throughput; rank 0's decision is applied by both at the same step."""
-    result = _run(tmp_path, "popen", "1", "--epochs", "3", "--tune")
+    result = _run(tmp_path, ANY_LAUNCHER, "1", "--epochs", "3", "--tune")
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["group_sizes"] == ranks[1]["group_sizes"]
@@ -224,13 +226,13 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step_without_a_broad
 def test_a_step_that_every_replica_of_every_rank_skips_changes_nothing(tmp_path: Path) -> None:
     """Crossbow's rule: z, its momentum and the replicas (which differ from z) stay as they were through step 4,
     which every replica of both ranks skips (the count of learners that stepped rides in the all-reduce)."""
-    result = _run(tmp_path, "popen", "2", "--epochs", "3", "--skip-at-step", "4")
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--epochs", "3", "--skip-at-step", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [torch.load(tmp_path / f"rank{rank}_skipped_step_unchanged.pt") for rank in range(2)] == [True, True]
 
 
 def test_ranks_with_different_configurations_fail_with_a_clear_error(tmp_path: Path) -> None:
-    result = _run(tmp_path, "popen", "2", "--mismatch")
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--mismatch")
     assert result.returncode != 0
     assert (
         "crossbow: the processes disagree on replicas_per_device (rank 0: replicas_per_device=2; rank 1:"
