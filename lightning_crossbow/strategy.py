@@ -1433,6 +1433,22 @@ class CrossbowStrategy(DDPStrategy):
                 " list or dict); combine several into one (for example over a ConcatDataset), or train with another"
                 " strategy."
             )
+        self._resume_after_the_epoch_the_checkpoint_ended()
+
+    def _resume_after_the_epoch_the_checkpoint_ended(self) -> None:
+        """A checkpoint saved in ``on_train_batch_end`` of a step that ended its epoch resumes at the next epoch's
+        start, as in plain Lightning, also at another k. Lightning moves to the next epoch by the step's saved
+        ``is_last_batch``, but starts it afresh only if the steps done reach the epoch's steps counted at k now: a
+        larger k at the save (fewer steps) would have the next epoch begin at that step's index, with only the steps
+        left at k now."""
+        trainer = self.lightning_module.trainer
+        epoch_loop = trainer.fit_loop.epoch_loop
+        progress, steps = epoch_loop.batch_progress, trainer.num_training_batches
+        if not (epoch_loop.restarted_on_train_batch_end and progress.is_last_batch and math.isfinite(steps)):
+            return
+        if progress.current.completed + 1 < steps:  # (Lightning completes the saved step when the epoch starts)
+            progress.current.ready = progress.current.started = progress.current.processed = int(steps)
+            progress.current.completed = int(steps) - 1
 
     @override
     def on_train_end(self) -> None:

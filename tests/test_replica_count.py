@@ -641,6 +641,26 @@ def test_the_epochs_after_a_mid_epoch_resume_with_another_k_are_whole(tmp_path) 
     assert resumed.global_step == 3 + 7 + 12
 
 
+def test_a_checkpoint_of_the_step_that_a_larger_k_made_the_epochs_last_resumes_at_the_next_epochs_start(
+    tmp_path,
+) -> None:
+    """10 batches at k=2; k=3 asked for after step 4 leaves 2 batches, which fill no step: step 4 ends the epoch, and
+    a checkpoint is saved there. Resumed at k=2, the next epoch has all of its 5 steps and a whole pass of batches,
+    as plain Lightning resumes from an epoch's last step (it saw 4 steps done of the 5 an epoch has at k=2, and
+    began the next epoch at its fifth)."""
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    change = ChangeReplicasAtBatch(at_step=3, new_k=3)
+    saved = trainer(strategy=CrossbowStrategy(2), callbacks=[change, saves], max_epochs=1, enable_checkpointing=True)
+    saved.fit(Classifier(), loader(make_data(num_samples=80)))
+    assert change.group_sizes == [2, 2, 2, 2]
+    group_sizes, samples = ChangeReplicas(at_step=-1, new_k=0), BatchesSeen()
+    resumed = trainer(strategy=CrossbowStrategy(2), callbacks=[group_sizes, samples], max_epochs=2)
+    resumed.fit(Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / "step=4.ckpt")
+    assert group_sizes.group_sizes == [2] * 5
+    assert list(samples.epochs) == [1] and len(samples.epochs[1]) == 10
+    assert resumed.global_step == 4 + 5
+
+
 def test_a_change_of_k_at_an_epochs_last_step_holds_when_the_loader_is_reloaded() -> None:
     """k changes from 2 to 3 after the last step of the first epoch (24 batches), and Lightning makes the training
     loader again for every epoch: the later epochs are at k=3, as without the reload."""
