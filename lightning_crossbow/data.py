@@ -147,6 +147,8 @@ _OWN_ATTRIBUTES = (
     "plan",
     "routed_sampler",
     "_resume_at",
+    "_restart_counted",
+    "_ends_when_counted",
     "resumed_mid_pass",
     "counts_on_resume",
     "_drawn",
@@ -183,6 +185,8 @@ class ReplicaBatchLoader:
         self.groups_yielded = 0  # in the current pass
         self.batches_taken = 0
         self._resume_at: Optional[tuple[int, int]] = None  # (groups, batches) of a pass resumed in its middle
+        self._restart_counted = False  # whether that pass restarts at the loader's first batch (see count_on_from)
+        self._ends_when_counted = False  # whether the current pass does
         #: Whether the current pass was resumed in its middle (from a checkpoint's loader state).
         self.resumed_mid_pass = False
         #: (groups, batches) of the pass trained before a checkpoint this fit resumes from, if any.
@@ -207,6 +211,7 @@ class ReplicaBatchLoader:
         self.draw_tail()
         self.groups_yielded, self.batches_taken = self._resume_at or (0, 0)
         self.resumed_mid_pass, self._resume_at = self._resume_at is not None, None
+        self._ends_when_counted, self._restart_counted = self._restart_counted, False
         self._returned, self._drawn = [], self.batches_taken
         self._pass_length = self.pass_batches() if self.own_passes else None  # (once a pass, not a step)
         batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(iter(self._fetcher))
@@ -218,7 +223,10 @@ class ReplicaBatchLoader:
             self._tail = None
             size = self._group_size()
             group, self._returned = self._returned[:size], self._returned[size:]
-            group += self._draw(batches, size - len(group))
+            missing = size - len(group)
+            group += self._draw(
+                batches, min(missing, self._left_in_pass() or 0) if self._ends_when_counted else missing
+            )
             self.batches_taken += len(group)
             if len(group) < size:
                 if group and self._pass_length is None and self.own_passes and not self._unfilled_warned:
@@ -304,6 +312,15 @@ class ReplicaBatchLoader:
         length, counts = loader_length(self.loader), self.counts_on_resume
         if counts is not None and 0 < counts[1] and (length is None or counts[1] + self.num_replicas <= length):
             self._resume_at = counts
+
+    def count_on_from(self, counts: tuple[int, int]) -> None:
+        """For a wrapped loader that does not save its position, resumed in the middle of a pass (``counts``: the
+        groups and batches trained in it before the checkpoint): the next pass starts at the loader's first batch, as
+        plain Lightning's does, counts on from ``counts``, and ends once the pass's batches are all counted. So the
+        batches left make the groups left at k now, as plain Lightning trains the batches left, whatever k was."""
+        length = self.pass_batches()
+        if self.own_passes and length is not None and 0 < counts[1] < length:
+            self._resume_at, self._restart_counted = counts, True
 
     def __getattr__(self, name: str) -> Any:
         if name in _OWN_ATTRIBUTES:  # not set yet (e.g. while unpickling)

@@ -30,7 +30,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -266,7 +266,7 @@ class CrossbowStrategy(DDPStrategy):
         #: The k that :meth:`set_replicas_per_device` asked for, until the group that makes it arrives, else None.
         self._k_next_group: Optional[int] = None
         #: (groups, batches) of the epoch trained before the checkpoint this fit resumes from (see
-        #: :attr:`ReplicaBatchLoader.counts_on_resume`), or None.
+        #: :attr:`ReplicaBatchLoader.counts_on_resume`) until its training loader is made; None when not resuming.
         self._resumed_pass_counts: Optional[tuple[int, int]] = None
         #: The user's fractional ``limit_train_batches`` while Lightning holds it as a number of steps (see
         #: :meth:`_fraction_as_steps`), else None.
@@ -517,9 +517,11 @@ class CrossbowStrategy(DDPStrategy):
             if self._grouped is not None:  # (a loader reloaded: plain Lightning drew every batch of the last pass)
                 self._grouped.draw_tail()
             grouped = ReplicaBatchLoader(dataloader, k)
-            # A checkpoint of plain Lightning (or of k=1) trained one batch per step.
-            steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            grouped.counts_on_resume, self._resumed_pass_counts = self._resumed_pass_counts or (steps_done,) * 2, None
+            counts, self._resumed_pass_counts = self._resumed_pass_counts, None
+            grouped.counts_on_resume = counts
+            at_epoch_end = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            if counts is not None and not at_epoch_end and not _saves_its_position(dataloader):
+                grouped.count_on_from(counts)  # (a loader that saves its position resumes it: Lightning loads it)
             self._fraction_as_steps(trainer, grouped)
             batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
@@ -1550,7 +1552,9 @@ class CrossbowStrategy(DDPStrategy):
         optimizer = self.optimizers[0]
         saved_optimizer = checkpoint["optimizer_states"][0]
         counts = state.get("pass_counts") if state is not None else None
-        self._resumed_pass_counts = (counts[0], counts[1]) if counts else None
+        # A checkpoint of plain Lightning (or of k=1) trained one batch per step.
+        steps_done = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        self._resumed_pass_counts = (counts[0], counts[1]) if counts else (steps_done, steps_done)
         saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None
         without_replicas = {name for name, _ in self._without_replicas}
         regained = [names for names in saved_layout or [] if names and all(name in without_replicas for name in names)]
@@ -1799,3 +1803,8 @@ def _check_lightning_arguments(arguments: Mapping[str, Any]) -> None:
 
 def _cpu_copy(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu", copy=True)
+
+
+def _saves_its_position(loader: object) -> bool:
+    """Whether Lightning saves and loads ``loader``'s own state in checkpoints (``state_dict``/``load_state_dict``)."""
+    return isinstance(loader, _Stateful)

@@ -641,6 +641,35 @@ def test_the_epochs_after_a_mid_epoch_resume_with_another_k_are_whole(tmp_path) 
     assert resumed.global_step == 3 + 7 + 12
 
 
+@pytest.mark.parametrize(
+    ("saved_by", "saved_at", "resumed_by"), [(None, 4, 3), (2, 2, 4), (2, 4, 3), (3, 2, 2)], ids=str
+)
+def test_a_mid_epoch_resume_from_a_loader_that_does_not_save_its_place_trains_the_batches_left_at_k_now(
+    tmp_path, saved_by: int | None, saved_at: int, resumed_by: int
+) -> None:
+    """10 batches an epoch; a checkpoint after ``saved_at`` steps of ``saved_by`` batches (plain Lightning: one). A
+    plain DataLoader starts its pass again on resuming, as in plain Lightning, which trains the batches left of the
+    epoch from the pass's start: so does crossbow, at k now (those that fill no step are skipped, as in any epoch).
+    Lightning, counting steps, would train a whole epoch again when the steps done reach an epoch's at k now, and
+    too few steps otherwise."""
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=saved_at)
+    strategy = "auto" if saved_by is None else CrossbowStrategy(saved_by)
+    saved = trainer(strategy=strategy, callbacks=[saves], max_steps=saved_at, enable_checkpointing=True)
+    saved.fit(Classifier(), loader(make_data(num_samples=80)))
+    samples = BatchesSeen()
+    resumed = trainer(strategy=CrossbowStrategy(resumed_by), callbacks=[samples], max_epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (re-seeded at another k; Lightning's warning of a loader that cannot resume)
+        resumed.fit(Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / f"step={saved_at}.ckpt")
+    data = make_data(num_samples=80).tensors[0]
+    left = (10 - saved_at * (saved_by or 1)) // resumed_by * resumed_by  # batches
+    if left:
+        torch.testing.assert_close(torch.cat(samples.epochs[0]), data[: left * 8], rtol=0, atol=0)
+    assert 0 not in samples.epochs or left
+    torch.testing.assert_close(torch.cat(samples.epochs[1]), data[: 10 // resumed_by * resumed_by * 8], rtol=0, atol=0)
+    assert resumed.global_step == saved_at + (left + 10 // resumed_by * resumed_by) // resumed_by
+
+
 def test_a_checkpoint_of_the_step_that_a_larger_k_made_the_epochs_last_resumes_at_the_next_epochs_start(
     tmp_path,
 ) -> None:
