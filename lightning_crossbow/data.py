@@ -225,7 +225,7 @@ class ReplicaBatchLoader:
             group, self._returned = self._returned[:size], self._returned[size:]
             missing = size - len(group)
             group += self._draw(
-                batches, min(missing, self._left_in_pass() or 0) if self._ends_when_counted else missing
+                batches, min(missing, max(0, self._left_in_pass() or 0)) if self._ends_when_counted else missing
             )
             self.batches_taken += len(group)
             if len(group) < size:
@@ -313,13 +313,20 @@ class ReplicaBatchLoader:
         if counts is not None and 0 < counts[1] and (length is None or counts[1] + self.num_replicas <= length):
             self._resume_at = counts
 
-    def count_on_from(self, counts: tuple[int, int]) -> None:
-        """For a wrapped loader that does not save its position, resumed in the middle of a pass (``counts``: the
-        groups and batches trained in it before the checkpoint): the next pass starts at the loader's first batch, as
-        plain Lightning's does, counts on from ``counts``, and ends once the pass's batches are all counted. So the
-        batches left make the groups left at k now, as plain Lightning trains the batches left, whatever k was."""
+    def count_on_from(self, counts: tuple[int, int], pass_begun: bool = False) -> None:
+        """For a pass resumed in its middle whose wrapped loader's position is not restored (``counts``: the groups
+        and batches trained in it before the checkpoint): the next pass (or, ``pass_begun``, the current one, whose
+        iterator is made and no group drawn yet) starts at the loader's first batch, as plain Lightning's does,
+        counts on from ``counts``, and ends once the pass's batches are all counted. So the batches left make the
+        groups left at k now, as plain Lightning trains the batches left, whatever k was."""
         length = self.pass_batches()
-        if self.own_passes and length is not None and 0 < counts[1] < length:
+        if not (self.own_passes and length is not None and 0 < counts[1] < length):
+            return
+        if pass_begun:
+            self.groups_yielded, self.batches_taken = counts
+            self._drawn = counts[1]
+            self.resumed_mid_pass = self._ends_when_counted = True
+        else:
             self._resume_at, self._restart_counted = counts, True
 
     def __getattr__(self, name: str) -> Any:

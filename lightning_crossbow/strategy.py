@@ -268,6 +268,8 @@ class CrossbowStrategy(DDPStrategy):
         #: (groups, batches) of the epoch trained before the checkpoint this fit resumes from (see
         #: :attr:`ReplicaBatchLoader.counts_on_resume`) until its training loader is made; None when not resuming.
         self._resumed_pass_counts: Optional[tuple[int, int]] = None
+        #: The training loader this fit made (uniform mode), once made.
+        self._fit_loader: Optional[ReplicaBatchLoader] = None
         #: The user's fractional ``limit_train_batches`` while Lightning holds it as a number of steps (see
         #: :meth:`_fraction_as_steps`), else None.
         self._train_fraction: Optional[float] = None
@@ -389,6 +391,7 @@ class CrossbowStrategy(DDPStrategy):
                 " statistics and z gets their mean over every replica of every process, so there is nothing to"
                 " synchronise during the forward. Leave sync_batchnorm=False."
             )
+        self._fit_loader = None  # (configure_optimizers may make it, in the set-up)
         try:
             # The base Strategy's set-up: DDPStrategy's would wrap the module in DistributedDataParallel.
             Strategy.setup(self, trainer)
@@ -519,10 +522,10 @@ class CrossbowStrategy(DDPStrategy):
             grouped = ReplicaBatchLoader(dataloader, k)
             counts, self._resumed_pass_counts = self._resumed_pass_counts, None
             grouped.counts_on_resume = counts
-            at_epoch_end = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-            if counts is not None and not at_epoch_end and not _saves_its_position(dataloader):
-                grouped.count_on_from(counts)  # (a loader that saves its position resumes it: Lightning loads it)
             self._fraction_as_steps(trainer, grouped)
+            if counts is not None and not _saves_its_position(dataloader):  # (one that does: Lightning loads it)
+                self._count_on_from_the_checkpoint(grouped, counts, pass_begun=False)
+            self._fit_loader = grouped
             batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
         self._grouped = grouped
@@ -568,6 +571,14 @@ class CrossbowStrategy(DDPStrategy):
             )
         self._train_fraction, trainer.limit_train_batches = fraction, steps
         grouped.batch_limit = batches  # (the batches that fill no step are drawn all the same)
+
+    def _count_on_from_the_checkpoint(
+        self, grouped: ReplicaBatchLoader, counts: tuple[int, int], pass_begun: bool
+    ) -> None:
+        """A resumed epoch whose loader's position is not restored counts on from the checkpoint's ``counts`` (see
+        :meth:`~lightning_crossbow.data.ReplicaBatchLoader.count_on_from`); not after an epoch's last step."""
+        if not self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            grouped.count_on_from(counts, pass_begun)
 
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
@@ -1435,22 +1446,31 @@ class CrossbowStrategy(DDPStrategy):
                 " list or dict); combine several into one (for example over a ConcatDataset), or train with another"
                 " strategy."
             )
-        self._resume_after_the_epoch_the_checkpoint_ended()
+        self._align_the_resumed_epoch()
 
-    def _resume_after_the_epoch_the_checkpoint_ended(self) -> None:
-        """A checkpoint saved in ``on_train_batch_end`` of a step that ended its epoch resumes at the next epoch's
-        start, as in plain Lightning, also at another k. Lightning moves to the next epoch by the step's saved
-        ``is_last_batch``, but starts it afresh only if the steps done reach the epoch's steps counted at k now: a
-        larger k at the save (fewer steps) would have the next epoch begin at that step's index, with only the steps
-        left at k now."""
+    def _align_the_resumed_epoch(self) -> None:
+        """Before the first epoch of a resumed fit, Lightning's count of its steps, kept from the checkpoint (steps
+        at the checkpoint's k), is made to agree with the steps at k now:
+
+        - from a step that ended its epoch (saved in ``on_train_batch_end``), the next epoch starts afresh, as in
+          plain Lightning: Lightning moves to it by the saved ``is_last_batch``, but starts its count afresh only if
+          the steps done reach an epoch's steps at k now (a larger k at the save, fewer steps, had it begin at that
+          step's index);
+        - from the middle of an epoch whose loader counts on (:attr:`ReplicaBatchLoader.resumed_mid_pass`), the epoch
+          has the steps done and those the batches left make at k now: Lightning would otherwise start the epoch's
+          count again where the steps done reach its steps at k now, and mark no step the last, nor validate after
+          it."""
         trainer = self.lightning_module.trainer
         epoch_loop = trainer.fit_loop.epoch_loop
         progress, steps = epoch_loop.batch_progress, trainer.num_training_batches
-        if not (epoch_loop.restarted_on_train_batch_end and progress.is_last_batch and math.isfinite(steps)):
+        if not math.isfinite(steps):
             return
-        if progress.current.completed + 1 < steps:  # (Lightning completes the saved step when the epoch starts)
-            progress.current.ready = progress.current.started = progress.current.processed = int(steps)
-            progress.current.completed = int(steps) - 1
+        if epoch_loop.restarted_on_train_batch_end and progress.is_last_batch:
+            if progress.current.completed + 1 < steps:  # (Lightning completes the saved step when the epoch starts)
+                progress.current.ready = progress.current.started = progress.current.processed = int(steps)
+                progress.current.completed = int(steps) - 1
+        elif self._resumed_mid_pass():  # (and the epochs after it are counted again as they start)
+            self._fit_epoch_length(trainer)
 
     @override
     def on_train_end(self) -> None:
@@ -1555,6 +1575,11 @@ class CrossbowStrategy(DDPStrategy):
         # A checkpoint of plain Lightning (or of k=1) trained one batch per step.
         steps_done = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current.ready
         self._resumed_pass_counts = (counts[0], counts[1]) if counts else (steps_done, steps_done)
+        if self._fit_loader is not None and self.routing is None:
+            # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
+            # iterator too, and Lightning will not load its position (nor does plain Lightning then).
+            self._count_on_from_the_checkpoint(self._fit_loader, self._resumed_pass_counts, pass_begun=True)
+            self._resumed_pass_counts = None
         saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None
         without_replicas = {name for name, _ in self._without_replicas}
         regained = [names for names in saved_layout or [] if names and all(name in without_replicas for name in names)]

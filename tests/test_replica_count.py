@@ -641,33 +641,87 @@ def test_the_epochs_after_a_mid_epoch_resume_with_another_k_are_whole(tmp_path) 
     assert resumed.global_step == 3 + 7 + 12
 
 
+class _EstimatingStepsFirst(Classifier):
+    def configure_optimizers(self) -> Any:
+        self.trainer.estimated_stepping_batches  # (as for OneCycleLR: Lightning makes the loader before restoring)
+        return super().configure_optimizers()
+
+
 @pytest.mark.parametrize(
-    ("saved_by", "saved_at", "resumed_by"), [(None, 4, 3), (2, 2, 4), (2, 4, 3), (3, 2, 2)], ids=str
+    ("saved_by", "saved_at", "resumed_by", "how"),
+    [
+        (None, 4, 3, "after a step"),
+        (2, 2, 4, "after a step"),
+        (2, 4, 3, "after a step"),
+        (3, 2, 2, "after a step"),
+        (2, 2, 3, "estimated_stepping_batches"),
+        (None, 3, 3, "at a validation"),
+        (2, 3, 3, "at a validation"),
+    ],
+    ids=str,
 )
 def test_a_mid_epoch_resume_from_a_loader_that_does_not_save_its_place_trains_the_batches_left_at_k_now(
-    tmp_path, saved_by: int | None, saved_at: int, resumed_by: int
+    tmp_path, saved_by: int | None, saved_at: int, resumed_by: int, how: str
 ) -> None:
-    """10 batches an epoch; a checkpoint after ``saved_at`` steps of ``saved_by`` batches (plain Lightning: one). A
-    plain DataLoader starts its pass again on resuming, as in plain Lightning, which trains the batches left of the
-    epoch from the pass's start: so does crossbow, at k now (those that fill no step are skipped, as in any epoch).
-    Lightning, counting steps, would train a whole epoch again when the steps done reach an epoch's at k now, and
-    too few steps otherwise."""
-    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=saved_at)
-    strategy = "auto" if saved_by is None else CrossbowStrategy(saved_by)
-    saved = trainer(strategy=strategy, callbacks=[saves], max_steps=saved_at, enable_checkpointing=True)
-    saved.fit(Classifier(), loader(make_data(num_samples=80)))
-    samples = BatchesSeen()
-    resumed = trainer(strategy=CrossbowStrategy(resumed_by), callbacks=[samples], max_epochs=2)
+    """10 batches an epoch; a checkpoint after ``saved_at`` steps of ``saved_by`` batches (plain Lightning: one),
+    saved by ``every_n_train_steps`` or at a validation within the epoch. A plain DataLoader starts its pass again on
+    resuming, as in plain Lightning, which trains the batches left of the epoch from the pass's start: so does
+    crossbow, at k now (those that fill no step are skipped, as in any epoch), and validates after the epoch's last
+    step. Lightning, counting steps, would train a whole epoch again where the steps done reach an epoch's at k now,
+    too few steps otherwise, and would not see the epoch's last step. Also when ``configure_optimizers`` has
+    Lightning make the training loader before it restores the checkpoint."""
+    validation = how == "at a validation"
+    saves = ModelCheckpoint(
+        dirpath=tmp_path,
+        filename="{step}",
+        **({"monitor": "val_loss"} if validation else {"every_n_train_steps": saved_at}),
+    )
+    saved = trainer(
+        strategy="auto" if saved_by is None else CrossbowStrategy(saved_by),
+        callbacks=[saves],
+        max_steps=saved_at,
+        enable_checkpointing=True,
+        **({"val_check_interval": saved_at} if validation else {}),
+    )
+    validation_data = loader(make_data(num_samples=16))
+    saved.fit(Classifier(), loader(make_data(num_samples=80)), validation_data if validation else None)
+    samples, validations = BatchesSeen(), _Validations()
+    resumed = trainer(strategy=CrossbowStrategy(resumed_by), callbacks=[samples, validations], max_epochs=2)
+    module = _EstimatingStepsFirst() if how == "estimated_stepping_batches" else Classifier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (re-seeded at another k; Lightning's warning of a loader that cannot resume)
-        resumed.fit(Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / f"step={saved_at}.ckpt")
+        resumed.fit(
+            module, loader(make_data(num_samples=80)), validation_data, ckpt_path=tmp_path / f"step={saved_at}.ckpt"
+        )
     data = make_data(num_samples=80).tensors[0]
     left = (10 - saved_at * (saved_by or 1)) // resumed_by * resumed_by  # batches
-    if left:
-        torch.testing.assert_close(torch.cat(samples.epochs[0]), data[: left * 8], rtol=0, atol=0)
-    assert 0 not in samples.epochs or left
-    torch.testing.assert_close(torch.cat(samples.epochs[1]), data[: 10 // resumed_by * resumed_by * 8], rtol=0, atol=0)
-    assert resumed.global_step == saved_at + (left + 10 // resumed_by * resumed_by) // resumed_by
+    whole = 10 // resumed_by * resumed_by
+    epochs = {1: whole} if left == 0 else {0: left, 1: whole}  # (no step left: crossbow trains none of that epoch)
+    assert {epoch: len(batches) for epoch, batches in samples.epochs.items()} == epochs
+    for epoch, batches in epochs.items():
+        torch.testing.assert_close(torch.cat(samples.epochs[epoch]), data[: batches * 8], rtol=0, atol=0)
+    assert resumed.global_step == saved_at + (left + whole) // resumed_by
+    # (an epoch without a step left is not validated: plain Lightning validates after its batches left)
+    ends = [(0, saved_at + left // resumed_by)] if left else []
+    assert validations.at == [*ends, (1, resumed.global_step)]
+
+
+def test_a_mid_epoch_resume_under_a_smaller_fraction_of_the_batches_than_were_trained_trains_that_epoch_again(
+    tmp_path,
+) -> None:
+    """Plain Lightning saved after 6 of 10 batches; resumed with limit_train_batches=0.5 (5 batches an epoch), past
+    which 6 batches are: plain Lightning then trains the epoch's 5 batches again, and crossbow at k=2 its 2 steps."""
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=6)
+    trainer(callbacks=[saves], max_steps=6, enable_checkpointing=True).fit(
+        Classifier(), loader(make_data(num_samples=80))
+    )
+    samples = BatchesSeen()
+    resumed = trainer(strategy=CrossbowStrategy(2), callbacks=[samples], max_epochs=2, limit_train_batches=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Lightning's warning of a loader that cannot resume)
+        resumed.fit(Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / "step=6.ckpt")
+    assert {epoch: len(batches) for epoch, batches in samples.epochs.items()} == {0: 4, 1: 4}
+    assert resumed.global_step == 6 + 2 + 2
 
 
 def test_a_checkpoint_of_the_step_that_a_larger_k_made_the_epochs_last_resumes_at_the_next_epochs_start(
