@@ -576,8 +576,11 @@ class CrossbowStrategy(DDPStrategy):
         self, grouped: ReplicaBatchLoader, counts: tuple[int, int], pass_begun: bool
     ) -> None:
         """A resumed epoch whose loader's position is not restored counts on from the checkpoint's ``counts`` (see
-        :meth:`~lightning_crossbow.data.ReplicaBatchLoader.count_on_from`); not after an epoch's last step."""
-        if not self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        :meth:`~lightning_crossbow.data.ReplicaBatchLoader.count_on_from`): one saved in the middle of an epoch, not
+        at its last step nor at its end (a fit stopped within it by ``max_steps`` saves at its end)."""
+        fit_loop = self.lightning_module.trainer.fit_loop
+        epoch = fit_loop.epoch_progress.current
+        if epoch.processed < epoch.started and not fit_loop.epoch_loop.batch_progress.is_last_batch:
             grouped.count_on_from(counts, pass_begun)
 
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
@@ -1575,9 +1578,11 @@ class CrossbowStrategy(DDPStrategy):
         # A checkpoint of plain Lightning (or of k=1) trained one batch per step.
         steps_done = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current.ready
         self._resumed_pass_counts = (counts[0], counts[1]) if counts else (steps_done, steps_done)
-        if self._fit_loader is not None and self.routing is None:
+        trainer = self.lightning_module.trainer
+        if self._fit_loader is not None and self.routing is None and not trainer.fit_loop._should_reload_train_dl:
             # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
-            # iterator too, and Lightning will not load its position (nor does plain Lightning then).
+            # iterator too, and Lightning will not load its position (nor does plain Lightning then). (A loader
+            # that Lightning makes again when the epoch starts takes the counts then.)
             self._count_on_from_the_checkpoint(self._fit_loader, self._resumed_pass_counts, pass_begun=True)
             self._resumed_pass_counts = None
         saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None

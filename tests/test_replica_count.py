@@ -724,6 +724,61 @@ def test_a_mid_epoch_resume_under_a_smaller_fraction_of_the_batches_than_were_tr
     assert resumed.global_step == 6 + 2 + 2
 
 
+@pytest.mark.parametrize(("saved_by", "resumed_by"), [(2, 2), (2, 3), (None, 2)], ids=str)
+def test_a_checkpoint_at_the_end_of_an_epoch_that_max_steps_cut_short_resumes_at_the_next_epochs_start(
+    tmp_path, saved_by: int | None, resumed_by: int
+) -> None:
+    """The default ModelCheckpoint saves at an epoch's end, also of an epoch that max_steps=3 ended early: plain
+    Lightning resumes at the next epoch's start and trains it whole, and so does crossbow (reviewer P: it had counted
+    the next epoch on from the cut epoch's steps)."""
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="saved")
+    strategy = "auto" if saved_by is None else CrossbowStrategy(saved_by)
+    trainer(strategy=strategy, callbacks=[saves], max_steps=3, enable_checkpointing=True).fit(
+        Classifier(), loader(make_data(num_samples=80))
+    )
+    samples, validations = BatchesSeen(), _Validations()
+    resumed = trainer(strategy=CrossbowStrategy(resumed_by), callbacks=[samples, validations], max_epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (re-seeded at another k)
+        resumed.fit(
+            Classifier(),
+            loader(make_data(num_samples=80)),
+            loader(make_data(num_samples=16)),
+            ckpt_path=tmp_path / "saved.ckpt",
+        )
+    whole = 10 // resumed_by * resumed_by
+    assert {epoch: len(batches) for epoch, batches in samples.epochs.items()} == {1: whole}
+    assert resumed.global_step == 3 + whole // resumed_by
+    assert validations.at == [(1, resumed.global_step)]
+
+
+def test_a_resumed_epoch_whose_loader_is_made_before_the_restore_and_again_when_it_starts_counts_on(
+    tmp_path,
+) -> None:
+    """configure_optimizers reads estimated_stepping_batches (Lightning makes the training loader before restoring)
+    and the loader is made again every epoch: a checkpoint after 4 of epoch 1's 10 batches at k=2, resumed at k=3,
+    trains the 6 left as 2 steps and validates after them (reviewer P: one step, when the loader made first took
+    the checkpoint's counts)."""
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=7)
+    kwargs = {"reload_dataloaders_every_n_epochs": 1, "max_epochs": 2}
+    saved = trainer(strategy=CrossbowStrategy(2), callbacks=[saves], max_steps=7, enable_checkpointing=True, **kwargs)
+    saved.fit(Classifier(), loader(make_data(num_samples=80)))
+    samples, validations = BatchesSeen(), _Validations()
+    resumed = trainer(strategy=CrossbowStrategy(3), callbacks=[samples, validations], **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (re-seeded at another k; Lightning's warning of a loader that cannot resume)
+        resumed.fit(
+            _EstimatingStepsFirst(),
+            loader(make_data(num_samples=80)),
+            loader(make_data(num_samples=16)),
+            ckpt_path=tmp_path / "step=7.ckpt",
+        )
+    data = make_data(num_samples=80).tensors[0]
+    torch.testing.assert_close(torch.cat(samples.epochs[1]), data[: 6 * 8], rtol=0, atol=0)
+    assert resumed.global_step == 7 + 2
+    assert validations.at == [(1, 9)]
+
+
 def test_a_checkpoint_of_the_step_that_a_larger_k_made_the_epochs_last_resumes_at_the_next_epochs_start(
     tmp_path,
 ) -> None:
