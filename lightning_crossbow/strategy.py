@@ -1575,10 +1575,10 @@ class CrossbowStrategy(DDPStrategy):
         optimizer = self.optimizers[0]
         saved_optimizer = checkpoint["optimizer_states"][0]
         counts = state.get("pass_counts") if state is not None else None
-        # A checkpoint of plain Lightning (or of k=1) trained one batch per step.
-        steps_done = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        self._resumed_pass_counts = (counts[0], counts[1]) if counts else (steps_done, steps_done)
         trainer = self.lightning_module.trainer
+        steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        # (a checkpoint of plain Lightning, or of k=1, trained one batch per step)
+        self._resumed_pass_counts = (counts[0], counts[1]) if counts else (steps_done, steps_done)
         if self._fit_loader is not None and self.routing is None and not trainer.fit_loop._should_reload_train_dl:
             # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
             # iterator too, and Lightning will not load its position (nor does plain Lightning then). (A loader

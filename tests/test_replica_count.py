@@ -784,8 +784,8 @@ def test_a_checkpoint_of_the_step_that_a_larger_k_made_the_epochs_last_resumes_a
 ) -> None:
     """10 batches at k=2; k=3 asked for after step 4 leaves 2 batches, which fill no step: step 4 ends the epoch, and
     a checkpoint is saved there. Resumed at k=2, the next epoch has all of its 5 steps and a whole pass of batches,
-    as plain Lightning resumes from an epoch's last step (it saw 4 steps done of the 5 an epoch has at k=2, and
-    began the next epoch at its fifth)."""
+    as plain Lightning resumes from an epoch's last step (Lightning alone, seeing 4 steps done of the 5 an epoch has
+    at k=2, began the next epoch at its fifth)."""
     saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
     change = ChangeReplicasAtBatch(at_step=3, new_k=3)
     saved = trainer(strategy=CrossbowStrategy(2), callbacks=[change, saves], max_epochs=1, enable_checkpointing=True)
