@@ -209,13 +209,19 @@ class ReplicaBatchLoader:
         The wrapped loader's iterator is made here, not at the first group, as ``iter(loader)`` makes it: a
         ``DataLoader`` draws its iterator's base seed then, also for an iterator that Lightning makes and drops."""
         self.draw_tail()
-        self.groups_yielded, self.batches_taken = self._resume_at or (0, 0)
-        self.resumed_mid_pass, self._resume_at = self._resume_at is not None, None
-        self._ends_when_counted, self._restart_counted = self._restart_counted, False
-        self._returned, self._drawn = [], self.batches_taken
+        self._count_pass_from(self._resume_at, self._restart_counted)
+        self._resume_at, self._restart_counted = None, False
         self._pass_length = self.pass_batches() if self.own_passes else None  # (once a pass, not a step)
         batches = iter(self.loader) if self._fetcher is None else chain.from_iterable(iter(self._fetcher))
         return self._groups(batches)
+
+    def _count_pass_from(self, counts: Optional[tuple[int, int]], restarted: bool) -> None:
+        """The current pass's counts start from ``counts`` (groups, batches) of a pass resumed in its middle, else from
+        zero; ``restarted``: its wrapped loader starts again at its first batch, and the pass ends once its batches
+        are all counted (:meth:`count_on_from`)."""
+        self.groups_yielded, self.batches_taken = counts or (0, 0)
+        self.resumed_mid_pass, self._ends_when_counted = counts is not None, restarted
+        self._returned, self._drawn = [], self.batches_taken
 
     def _groups(self, batches: Iterator[Any]) -> Iterator[ReplicaGroup]:
         """The pass's groups, drawn from ``batches`` (see :meth:`__iter__`)."""
@@ -323,9 +329,7 @@ class ReplicaBatchLoader:
         if not (self.own_passes and length is not None and 0 < counts[1] < length):
             return
         if pass_begun:
-            self.groups_yielded, self.batches_taken = counts
-            self._drawn = counts[1]
-            self.resumed_mid_pass = self._ends_when_counted = True
+            self._count_pass_from(counts, restarted=True)
         else:
             self._resume_at, self._restart_counted = counts, True
 
