@@ -37,10 +37,13 @@ from lightning_crossbow.stateless import Reparametrizer  # noqa: E402
 class StepTimer(L.Callback):
     """Wall time of the training steps after ``warmup`` steps (first timed batch's start to last batch's end).
 
-    On CUDA the clock is read after ``torch.cuda.synchronize()``, so queued kernels are counted."""
+    On CUDA the clock is read after ``torch.cuda.synchronize()``, so queued kernels are counted. Given ``steps``,
+    it is read at the first timed step's start and the last one's end only: a synchronize after every step would
+    keep the host from queueing the next step's kernels while the GPU runs this one's, as training does."""
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, steps: Optional[int] = None) -> None:
         self.warmup = warmup
+        self.last = None if steps is None else warmup + steps - 1
         self.start: Optional[float] = None
         self.end: Optional[float] = None
         self.steps = 0
@@ -56,7 +59,7 @@ class StepTimer(L.Callback):
             self.start = self._now(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx >= self.warmup:
+        if batch_idx >= self.warmup and (self.last is None or batch_idx == self.last):
             self.end = self._now(pl_module)
             self.steps = batch_idx - self.warmup + 1
 
@@ -92,7 +95,7 @@ def samples_per_second(
     torch.manual_seed(0)
     n = (warmup + steps) * k * batch_size
     data = TensorDataset(torch.randn(n, *input_shape), torch.randint(0, 10, (n,)))
-    timer = StepTimer(warmup)
+    timer = StepTimer(warmup, steps)
     trainer = bare_trainer(strategy, accelerator=accelerator, callbacks=[timer, *callbacks])
     model = Classifier(net() if net is not None else conv1d_net(40, 10), lr=0.01)
     trainer.fit(model, DataLoader(data, batch_size=batch_size))
