@@ -337,11 +337,13 @@ class ScaledAveraging(Averaging):
 
     def _measure(self, statistics: Tensor, sums: Sequence[Tensor]) -> None:
         """Folds this step's ``(sigma^2, |g|^2)`` into the averages, from ``statistics`` (``sum_j |d_j|^2`` and
-        ``K`` over every process) and ``sums`` (``sum_j d_j`` per bucket)."""
-        square_sum, learners = statistics.tolist()
+        ``K`` over every process) and ``sums`` (``sum_j d_j`` per bucket), read from the device in one transfer
+        (on CUDA, one synchronisation a step)."""
+        squares = [torch.dot(total, total).to(statistics.dtype).view(1) for total in sums]
+        square_sum, learners, *bucket_squares = torch.cat([statistics, *squares]).tolist()
         if learners < 2:
             return
-        square_of_mean = sum(float(torch.dot(total, total)) for total in sums) / learners**2
+        square_of_mean = sum(bucket_squares) / learners**2
         noise, signal = noise_and_signal(square_sum / learners, square_of_mean, round(learners))
         beta = self.smoothing
         self.noise = beta * self.noise + (1 - beta) * noise
