@@ -243,6 +243,7 @@ class CrossbowStrategy(DDPStrategy):
         self._step_losses: Optional[Tensor] = None
         self._step_skipped: Optional[Tensor] = None  # replicas whose training_step returned None this step
         self._gradients_pending = False  # see `accumulating`
+        self._group_drawn = 0  # batches in the group of the step under way
         self._reads_gradients = False  # whether hooks read the module's gradients (set at set-up)
         self._mean_gradients: Optional[MeanGradients] = None
         self._last_lrs: Optional[list[float]] = None
@@ -265,9 +266,12 @@ class CrossbowStrategy(DDPStrategy):
         self._resumed_group_size: Optional[int] = None
         #: The k that :meth:`set_replicas_per_device` asked for, until the group that makes it arrives, else None.
         self._k_next_group: Optional[int] = None
-        #: (groups, batches) of the epoch trained before the checkpoint this fit resumes from (see
+        #: (groups, batches) of the epoch drawn before the checkpoint this fit resumes from (see
         #: :attr:`ReplicaBatchLoader.counts_on_resume`) until its training loader is made; None when not resuming.
         self._resumed_pass_counts: Optional[tuple[int, int]] = None
+        #: The same, less a group whose step had not ended when the checkpoint was saved (saved from an exception in
+        #: it): what a loader that does not save its place counts on from.
+        self._resumed_pass_trained: Optional[tuple[int, int]] = None
         #: The training loader this fit made (uniform mode), once made.
         self._fit_loader: Optional[ReplicaBatchLoader] = None
         #: The user's fractional ``limit_train_batches`` while Lightning holds it as a number of steps (see
@@ -521,10 +525,11 @@ class CrossbowStrategy(DDPStrategy):
                 self._grouped.draw_tail()
             grouped = ReplicaBatchLoader(dataloader, k)
             counts, self._resumed_pass_counts = self._resumed_pass_counts, None
+            trained, self._resumed_pass_trained = self._resumed_pass_trained, None
             grouped.counts_on_resume = counts
             self._fraction_as_steps(trainer, grouped)
-            if counts is not None and not _saves_its_position(dataloader):  # (one that does: Lightning loads it)
-                self._count_on_from_the_checkpoint(grouped, counts, pass_begun=False)
+            if trained is not None and not _saves_its_position(dataloader):  # (one that does: Lightning loads it)
+                self._count_on_from_the_checkpoint(grouped, trained, pass_begun=False)
             self._fit_loader = grouped
             batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
@@ -635,6 +640,13 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
             # The first group made after set_replicas_per_device: resize before the step's corrections.
             self._resize_replicas(len(batch))
+        self._group_drawn = len(batch) if isinstance(batch, list) else 0
+        if self._gradients_pending and batch_idx % trainer.accumulate_grad_batches == 0:
+            # An optimizer step begins where Lightning zeroes the gradients, also after batches that no optimizer
+            # step followed (an ``optimizer_step`` that runs the closure alone, skipping the step): their losses
+            # and skips are dropped with their gradients.
+            self._step_losses = self._step_skipped = None
+            self._gradients_pending = False
         self._follow_trainable_parameters(step_starts=not self._gradients_pending)
         if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
             self._reset_if_lr_dropped()
@@ -1554,6 +1566,8 @@ class CrossbowStrategy(DDPStrategy):
                 if self._grouped is not None and self.routing is None
                 else None
             ),
+            # the batches of the last group counted there, if its step had not ended (a save from an exception)
+            "batches_in_flight": self._batches_in_flight(),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
             "world_size": self.world_size,
@@ -1562,6 +1576,12 @@ class CrossbowStrategy(DDPStrategy):
             "averaging": self.averaging.state_dict(),
             "ranks": ranks,
         }
+
+    def _batches_in_flight(self) -> int:
+        """Batches of the group of a step under way that has not ended (Lightning's count of the epoch's steps has it
+        ready, not processed: a checkpoint saved from an exception raised in the step), else 0."""
+        progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current
+        return self._group_drawn if progress.processed < progress.ready else 0
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -1576,15 +1596,20 @@ class CrossbowStrategy(DDPStrategy):
         saved_optimizer = checkpoint["optimizer_states"][0]
         counts = state.get("pass_counts") if state is not None else None
         trainer = self.lightning_module.trainer
-        steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
         # (a checkpoint of plain Lightning, or of k=1, trained one batch per step)
-        self._resumed_pass_counts = (counts[0], counts[1]) if counts else (steps_done, steps_done)
+        drawn = (counts[0], counts[1]) if counts else (progress.ready, progress.ready)
+        self._resumed_pass_counts, self._resumed_pass_trained = drawn, drawn
+        if progress.processed < progress.ready:  # saved while a step ran (from an exception: OnExceptionCheckpoint)
+            in_flight = state.get("batches_in_flight", 0) if counts else 1
+            if in_flight:  # its group is drawn but not trained: plain Lightning trains its batch again
+                self._resumed_pass_trained = (drawn[0] - 1, drawn[1] - in_flight)
         if self._fit_loader is not None and self.routing is None and not trainer.fit_loop._should_reload_train_dl:
             # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
             # iterator too, and Lightning will not load its position (nor does plain Lightning then). (A loader
             # that Lightning makes again when the epoch starts takes the counts then.)
-            self._count_on_from_the_checkpoint(self._fit_loader, self._resumed_pass_counts, pass_begun=True)
-            self._resumed_pass_counts = None
+            self._count_on_from_the_checkpoint(self._fit_loader, self._resumed_pass_trained, pass_begun=True)
+            self._resumed_pass_counts = self._resumed_pass_trained = None
         saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None
         without_replicas = {name for name, _ in self._without_replicas}
         regained = [names for names in saved_layout or [] if names and all(name in without_replicas for name in names)]
@@ -1695,7 +1720,8 @@ class CrossbowStrategy(DDPStrategy):
         self._step_losses = self._step_skipped = None
         self._gradients_pending = False  # (a fit may stop between two accumulated batches)
         self._group = self._group_cut = None  # (a fit may stop by an error in a step)
-        self._resumed_group_size = self._resumed_pass_counts = None  # (a fit may stop before its loader was made)
+        # (a fit may stop before its loader was made)
+        self._resumed_group_size = self._resumed_pass_counts = self._resumed_pass_trained = None
         if self._train_fraction is not None and self._lightning_module is not None:
             self._lightning_module.trainer.limit_train_batches = self._train_fraction  # the user's fraction again
         self._train_fraction = None

@@ -76,6 +76,62 @@ def test_a_step_every_replica_skips_is_skipped_as_in_plain_lightning() -> None:
     assert_one_replica_is_plain_lightning(_SkipsSecondStep, make_data(num_samples=48))
 
 
+class _SkipsTheOptimizerStep(Classifier):
+    """Skips the optimizer step as Lightning's docs show: ``optimizer_step`` runs the closure (forward and backward)
+    but not the step, on a batch whose loss is not finite (``nan_at``), or at each epoch's step ``skip_at``."""
+
+    def __init__(self, nan_at: int = -1, skip_at: int = -1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.nan_at, self.skip_at = nan_at, skip_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == self.nan_at else loss
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any) -> None:
+        loss = optimizer_closure()
+        if batch_idx != self.skip_at and torch.isfinite(loss):
+            optimizer.step()  # (LightningOptimizer's step: the closure has run)
+
+
+class _SkipsTheStepByReturningNone(Classifier):
+    """The same steps skipped the way that leaves nothing to undo: ``training_step`` returns None."""
+
+    def __init__(self, nan_at: int = -1, skip_at: int = -1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.skipped = (nan_at, skip_at)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx in self.skipped else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+@pytest.mark.parametrize(
+    ("algorithm", "model_kwargs"),
+    [("scaled_averaging", {"nan_at": 1}), ("sma", {"skip_at": 3, "scheduler": "step"})],
+    ids=["a non-finite loss", "an epoch's last step, before an lr drop"],
+)
+def test_an_optimizer_step_that_the_module_skips_leaves_nothing_for_the_next_step(
+    algorithm: str, model_kwargs: dict[str, Any], engine: str
+) -> None:
+    """The batches of a skipped optimizer step are not taken for accumulated ones by the next step: their non-finite
+    losses do not reset the next step's replicas (as diverged), and the next step is an optimizer step's first (the
+    replicas reset at an lr drop there, with ``sma``). So skipping the step trains as returning None does, at k=2,
+    and at k=1 as plain Lightning."""
+    assert_one_replica_is_plain_lightning(lambda: _SkipsTheOptimizerStep(**model_kwargs), make_data(num_samples=64))
+    finals = []
+    for model_class in (_SkipsTheOptimizerStep, _SkipsTheStepByReturningNone):
+        model = model_class(**model_kwargs)
+        strategy = CrossbowStrategy(replicas_per_device=2, engine=engine, algorithm=algorithm)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(strategy=strategy, max_epochs=3).fit(model, loader(make_data(num_samples=64)))
+        assert not [w for w in caught if "non-finite loss" in str(w.message)]
+        finals.append(copy.deepcopy(model.state_dict()))
+    for name, value in finals[0].items():
+        torch.testing.assert_close(value, finals[1][name], rtol=0, atol=0, msg=name)
+
+
 class _DropoutClassifier(Classifier):
     def __init__(self) -> None:
         super().__init__()

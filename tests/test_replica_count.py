@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
@@ -704,6 +704,48 @@ def test_a_mid_epoch_resume_from_a_loader_that_does_not_save_its_place_trains_th
     # (an epoch without a step left is not validated: plain Lightning validates after its batches left)
     ends = [(0, saved_at + left // resumed_by)] if left else []
     assert validations.at == [*ends, (1, resumed.global_step)]
+
+
+class _FailsAtAStep(Classifier):
+    """Raises in ``training_step`` at ``global_step == fail_at``."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.global_step == self.fail_at:
+            raise RuntimeError("a step failed")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("saved_by", "resumed_by"), [(None, 1), (None, 2), (1, 1), (2, 2), (2, 3)], ids=str)
+def test_a_checkpoint_saved_from_an_exception_in_a_step_resumes_with_that_steps_batches_untrained(
+    tmp_path, saved_by: int | None, resumed_by: int
+) -> None:
+    """``OnExceptionCheckpoint`` saves while the step that raised (the fourth) is under way: Lightning counts it
+    ready, not processed, and its group is drawn, not trained. Resumed with a plain DataLoader, the epoch trains
+    its batches left from a new pass, that step's batches among them, as plain Lightning does (7 of 10 after three
+    steps of one batch), at k now."""
+    failing = trainer(
+        strategy="auto" if saved_by is None else CrossbowStrategy(saved_by),
+        callbacks=[OnExceptionCheckpoint(tmp_path)],
+        max_epochs=2,
+        enable_checkpointing=True,
+    )
+    with pytest.raises(RuntimeError, match="a step failed"):
+        failing.fit(_FailsAtAStep(fail_at=3), loader(make_data(num_samples=80)))
+    samples = BatchesSeen()
+    resumed = trainer(strategy=CrossbowStrategy(resumed_by), callbacks=[samples], max_epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (re-seeded at another k; Lightning's warning of a loader that cannot resume)
+        resumed.fit(Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / "on_exception.ckpt")
+    left = (10 - 3 * (saved_by or 1)) // resumed_by * resumed_by  # batches
+    whole = 10 // resumed_by * resumed_by
+    assert {epoch: len(batches) for epoch, batches in samples.epochs.items()} == {0: left, 1: whole}
+    data = make_data(num_samples=80).tensors[0]
+    torch.testing.assert_close(torch.cat(samples.epochs[0]), data[: left * 8], rtol=0, atol=0)
+    assert resumed.global_step == 3 + (left + whole) // resumed_by
 
 
 def test_a_mid_epoch_resume_under_a_smaller_fraction_of_the_batches_than_were_trained_trains_that_epoch_again(
