@@ -142,6 +142,7 @@ _OWN_ATTRIBUTES = (
     "num_replicas",
     "groups_yielded",
     "batches_taken",
+    "last_group_batches",
     "_returned",
     "_fetcher",
     "plan",
@@ -184,6 +185,9 @@ class ReplicaBatchLoader:
         self.num_replicas = num_replicas
         self.groups_yielded = 0  # in the current pass
         self.batches_taken = 0
+        #: Batches of the last group yielded (less those given back), for a step that does not end (see
+        #: :meth:`~lightning_crossbow.strategy.CrossbowStrategy.batches_in_flight`).
+        self.last_group_batches = 0
         self._resume_at: Optional[tuple[int, int]] = None  # (groups, batches) of a pass resumed in its middle
         self._restart_counted = False  # whether that pass restarts at the loader's first batch (see count_on_from)
         self._ends_when_counted = False  # whether the current pass does
@@ -243,6 +247,7 @@ class ReplicaBatchLoader:
                     )
                 return
             self.groups_yielded += 1
+            self.last_group_batches = len(group)
             self._tail = batches  # (if no other group is asked for)
             yield ReplicaGroup(group)
 
@@ -280,6 +285,7 @@ class ReplicaBatchLoader:
         """Returns batches of a group that could not run: the next group starts with them, in order."""
         self._returned = list(batches) + self._returned
         self.batches_taken -= len(batches)
+        self.last_group_batches -= len(batches)
 
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those already made, and those the rest of the loader fills at k now."""

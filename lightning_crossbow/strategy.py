@@ -243,7 +243,6 @@ class CrossbowStrategy(DDPStrategy):
         self._step_losses: Optional[Tensor] = None
         self._step_skipped: Optional[Tensor] = None  # replicas whose training_step returned None this step
         self._gradients_pending = False  # see `accumulating`
-        self._group_drawn = 0  # batches in the group of the step under way
         self._reads_gradients = False  # whether hooks read the module's gradients (set at set-up)
         self._mean_gradients: Optional[MeanGradients] = None
         self._last_lrs: Optional[list[float]] = None
@@ -306,9 +305,20 @@ class CrossbowStrategy(DDPStrategy):
 
     @property
     def accumulating(self) -> bool:
-        """Whether the replicas hold gradients of batches that no optimizer step has used yet
-        (``accumulate_grad_batches > 1``, between two optimizer steps)."""
-        return self._gradients_pending
+        """Whether the replicas hold gradients of batches that an optimizer step is still to use
+        (``accumulate_grad_batches > 1``, between two batches of one step); not once Lightning has reached a step's
+        end, also where the module's ``optimizer_step`` skipped the step (Lightning zeroes those gradients)."""
+        return self._gradients_pending and not self._at_a_steps_end()
+
+    def _at_a_steps_end(self) -> bool:
+        """Whether the batches Lightning has processed in this epoch end an optimizer step: a whole
+        ``accumulate_grad_batches``, or the epoch's last batch."""
+        trainer = self.lightning_module.trainer
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        done = progress.current.processed
+        return done % trainer.accumulate_grad_batches == 0 or (
+            progress.is_last_batch and done == progress.current.ready
+        )
 
     @property
     def engine_measuring(self) -> bool:
@@ -529,7 +539,7 @@ class CrossbowStrategy(DDPStrategy):
             grouped.counts_on_resume = counts
             self._fraction_as_steps(trainer, grouped)
             if trained is not None and not _saves_its_position(dataloader):  # (one that does: Lightning loads it)
-                self._count_on_from_the_checkpoint(grouped, trained, pass_begun=False)
+                self._count_on_from_the_checkpoint(grouped, trained, pass_begun=False, step_ended=trained == counts)
             self._fit_loader = grouped
             batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
@@ -578,14 +588,16 @@ class CrossbowStrategy(DDPStrategy):
         grouped.batch_limit = batches  # (the batches that fill no step are drawn all the same)
 
     def _count_on_from_the_checkpoint(
-        self, grouped: ReplicaBatchLoader, counts: tuple[int, int], pass_begun: bool
+        self, grouped: ReplicaBatchLoader, counts: tuple[int, int], pass_begun: bool, step_ended: bool
     ) -> None:
         """A resumed epoch whose loader's position is not restored counts on from the checkpoint's ``counts`` (see
         :meth:`~lightning_crossbow.data.ReplicaBatchLoader.count_on_from`): one saved in the middle of an epoch, not
-        at its last step nor at its end (a fit stopped within it by ``max_steps`` saves at its end)."""
+        after its last step (``step_ended``: the last step counted had ended) nor at its end (a fit stopped within
+        it by ``max_steps`` saves at its end)."""
         fit_loop = self.lightning_module.trainer.fit_loop
         epoch = fit_loop.epoch_progress.current
-        if epoch.processed < epoch.started and not fit_loop.epoch_loop.batch_progress.is_last_batch:
+        last_step_done = step_ended and fit_loop.epoch_loop.batch_progress.is_last_batch
+        if epoch.processed < epoch.started and not last_step_done:
             grouped.count_on_from(counts, pass_begun)
 
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
@@ -637,16 +649,15 @@ class CrossbowStrategy(DDPStrategy):
             if split != self._split and self.balancer is not None:
                 self.balancer.restart()  # a window measures one split (every rank changes at this same step)
             self._split = split
-        if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
-            # The first group made after set_replicas_per_device: resize before the step's corrections.
-            self._resize_replicas(len(batch))
-        self._group_drawn = len(batch) if isinstance(batch, list) else 0
         if self._gradients_pending and batch_idx % trainer.accumulate_grad_batches == 0:
             # An optimizer step begins where Lightning zeroes the gradients, also after batches that no optimizer
             # step followed (an ``optimizer_step`` that runs the closure alone, skipping the step): their losses
             # and skips are dropped with their gradients.
             self._step_losses = self._step_skipped = None
             self._gradients_pending = False
+        if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
+            # The first group made after set_replicas_per_device: resize before the step's corrections.
+            self._resize_replicas(len(batch))
         self._follow_trainable_parameters(step_starts=not self._gradients_pending)
         if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
             self._reset_if_lr_dropped()
@@ -1566,7 +1577,7 @@ class CrossbowStrategy(DDPStrategy):
                 if self._grouped is not None and self.routing is None
                 else None
             ),
-            # the batches of the last group counted there, if its step had not ended (a save from an exception)
+            # the batches of the last group counted there if its step has not ended (a save from an exception)
             "batches_in_flight": self._batches_in_flight(),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
@@ -1578,10 +1589,15 @@ class CrossbowStrategy(DDPStrategy):
         }
 
     def _batches_in_flight(self) -> int:
-        """Batches of the group of a step under way that has not ended (Lightning's count of the epoch's steps has it
-        ready, not processed: a checkpoint saved from an exception raised in the step), else 0."""
-        progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current
-        return self._group_drawn if progress.processed < progress.ready else 0
+        """Batches of a group drawn for a step that Lightning has not counted processed (a checkpoint saved from an
+        exception raised in the step, or before it, in a hook), else 0."""
+        grouped = self._grouped
+        if grouped is None or self.routing is not None:
+            return 0
+        fit_loop = self.lightning_module.trainer.fit_loop
+        ahead = len(getattr(fit_loop._data_fetcher, "batches", ()))  # groups fetched ahead (a loader without a length)
+        handed_out = grouped.groups_yielded - ahead
+        return grouped.last_group_batches if handed_out > fit_loop.epoch_loop.batch_progress.current.processed else 0
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -1597,18 +1613,21 @@ class CrossbowStrategy(DDPStrategy):
         counts = state.get("pass_counts") if state is not None else None
         trainer = self.lightning_module.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        # (a checkpoint of plain Lightning, or of k=1, trained one batch per step)
+        # The groups and batches drawn, and those trained: a group drawn for a step that did not end (a checkpoint
+        # saved from an exception, as OnExceptionCheckpoint's) is not, and plain Lightning trains its batch again.
+        # (A checkpoint of plain Lightning, or of k=1, trained one batch per step.)
         drawn = (counts[0], counts[1]) if counts else (progress.ready, progress.ready)
-        self._resumed_pass_counts, self._resumed_pass_trained = drawn, drawn
-        if progress.processed < progress.ready:  # saved while a step ran (from an exception: OnExceptionCheckpoint)
-            in_flight = state.get("batches_in_flight", 0) if counts else 1
-            if in_flight:  # its group is drawn but not trained: plain Lightning trains its batch again
-                self._resumed_pass_trained = (drawn[0] - 1, drawn[1] - in_flight)
+        in_flight = state.get("batches_in_flight", 0) if counts else 0
+        self._resumed_pass_counts = drawn
+        self._resumed_pass_trained = (
+            (drawn[0] - 1, drawn[1] - in_flight) if in_flight else drawn if counts else (progress.processed,) * 2
+        )
         if self._fit_loader is not None and self.routing is None and not trainer.fit_loop._should_reload_train_dl:
             # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
             # iterator too, and Lightning will not load its position (nor does plain Lightning then). (A loader
             # that Lightning makes again when the epoch starts takes the counts then.)
-            self._count_on_from_the_checkpoint(self._fit_loader, self._resumed_pass_trained, pass_begun=True)
+            trained = self._resumed_pass_trained
+            self._count_on_from_the_checkpoint(self._fit_loader, trained, pass_begun=True, step_ended=trained == drawn)
             self._resumed_pass_counts = self._resumed_pass_trained = None
         saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None
         without_replicas = {name for name, _ in self._without_replicas}

@@ -230,6 +230,28 @@ def test_k_changes_with_accumulated_gradients_right_after_an_optimizer_step() ->
     assert fit.global_step == 2
 
 
+class _SkipsTheStepOfBatch1(Classifier):
+    """Its ``optimizer_step`` runs the closure alone at batch 1, skipping the step, as Lightning's docs show."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any) -> None:
+        if batch_idx == 1:
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_k_changes_right_after_a_step_that_the_module_skipped(accumulate: int) -> None:
+    """Batch 1 ends a step (also a window of 2), whose optimizer step the module skips: no gradients are left to
+    accumulate on (Lightning zeroes them before the next batch), so k may change there."""
+    change = ChangeReplicasAtBatch(at_step=1, new_k=3)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2), accumulate_grad_batches=accumulate, callbacks=[change]
+    )
+    fit.fit(_SkipsTheStepOfBatch1(), loader(make_data(num_samples=80)))  # 10 batches: 2 groups of 2, 2 of 3
+    assert change.group_sizes == [2, 2, 3, 3]
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])
 def test_set_replicas_per_device_rejects_bad_values(bad: Any) -> None:
     with pytest.raises(ValueError, match="replicas_per_device must be a positive int"):
@@ -707,26 +729,48 @@ def test_a_mid_epoch_resume_from_a_loader_that_does_not_save_its_place_trains_th
 
 
 class _FailsAtAStep(Classifier):
-    """Raises in ``training_step`` at ``global_step == fail_at``."""
+    """Raises at ``global_step == fail_at``, in ``training_step`` or, before Lightning counts the step's batch ready,
+    in ``on_after_batch_transfer``."""
 
-    def __init__(self, fail_at: int) -> None:
+    def __init__(self, fail_at: int, where: str) -> None:
         super().__init__()
-        self.fail_at = fail_at
+        self.fail_at, self.where = fail_at, where
+
+    def _fail_here(self, where: str) -> None:
+        if self.where == where and self.trainer.training and self.global_step == self.fail_at:
+            raise RuntimeError("a step failed")
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self._fail_here("on_after_batch_transfer")
+        return batch
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        if self.global_step == self.fail_at:
-            raise RuntimeError("a step failed")
+        self._fail_here("training_step")
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize(("saved_by", "resumed_by"), [(None, 1), (None, 2), (1, 1), (2, 2), (2, 3)], ids=str)
+@pytest.mark.parametrize(
+    ("saved_by", "fail_at", "where", "resumed_by"),
+    [
+        (None, 3, "training_step", 1),
+        (None, 3, "training_step", 2),
+        (1, 3, "training_step", 1),
+        (2, 3, "training_step", 2),
+        (2, 3, "training_step", 3),
+        (2, 3, "on_after_batch_transfer", 2),
+        (2, 0, "on_after_batch_transfer", 3),
+        (2, 4, "training_step", 3),
+        (3, 2, "training_step", 2),
+    ],
+    ids=str,
+)
 def test_a_checkpoint_saved_from_an_exception_in_a_step_resumes_with_that_steps_batches_untrained(
-    tmp_path, saved_by: int | None, resumed_by: int
+    tmp_path, saved_by: int | None, fail_at: int, where: str, resumed_by: int
 ) -> None:
-    """``OnExceptionCheckpoint`` saves while the step that raised (the fourth) is under way: Lightning counts it
-    ready, not processed, and its group is drawn, not trained. Resumed with a plain DataLoader, the epoch trains
-    its batches left from a new pass, that step's batches among them, as plain Lightning does (7 of 10 after three
-    steps of one batch), at k now."""
+    """10 batches an epoch; ``OnExceptionCheckpoint`` saves while the step that raised is under way (also from a
+    hook before Lightning counts it ready, at a fit's first step, and at an epoch's last step): its group is drawn,
+    not trained. Resumed with a plain DataLoader, the epoch trains its batches left from a new pass, that step's
+    batches among them, as plain Lightning does (7 of 10 after three steps of one batch), at k now."""
     failing = trainer(
         strategy="auto" if saved_by is None else CrossbowStrategy(saved_by),
         callbacks=[OnExceptionCheckpoint(tmp_path)],
@@ -734,18 +778,59 @@ def test_a_checkpoint_saved_from_an_exception_in_a_step_resumes_with_that_steps_
         enable_checkpointing=True,
     )
     with pytest.raises(RuntimeError, match="a step failed"):
-        failing.fit(_FailsAtAStep(fail_at=3), loader(make_data(num_samples=80)))
+        failing.fit(_FailsAtAStep(fail_at, where), loader(make_data(num_samples=80)))
     samples = BatchesSeen()
     resumed = trainer(strategy=CrossbowStrategy(resumed_by), callbacks=[samples], max_epochs=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (re-seeded at another k; Lightning's warning of a loader that cannot resume)
         resumed.fit(Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / "on_exception.ckpt")
-    left = (10 - 3 * (saved_by or 1)) // resumed_by * resumed_by  # batches
+    left = (10 - fail_at * (saved_by or 1)) // resumed_by * resumed_by  # batches
     whole = 10 // resumed_by * resumed_by
-    assert {epoch: len(batches) for epoch, batches in samples.epochs.items()} == {0: left, 1: whole}
+    assert {epoch: len(batches) for epoch, batches in samples.epochs.items()} == ({0: left} if left else {}) | {
+        1: whole
+    }
     data = make_data(num_samples=80).tensors[0]
-    torch.testing.assert_close(torch.cat(samples.epochs[0]), data[: left * 8], rtol=0, atol=0)
-    assert resumed.global_step == 3 + (left + whole) // resumed_by
+    if left:
+        torch.testing.assert_close(torch.cat(samples.epochs[0]), data[: left * 8], rtol=0, atol=0)
+    assert resumed.global_step == fail_at + (left + whole) // resumed_by
+
+
+class _RunsOutOfMemoryThenFails(Classifier):
+    """At step 2 runs out of memory once (simulated), then, with the smaller group, raises before the optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran_out = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.global_step == 2 and not self.ran_out:
+            self.ran_out = True
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.global_step == 2:
+            raise RuntimeError("a step failed")
+
+
+def test_an_exception_after_an_out_of_memory_back_off_leaves_the_batches_given_back_untrained(tmp_path) -> None:
+    """12 batches at k=3: step 2 backs off to k=2 (its third batch goes back to the loader), then raises. The
+    checkpoint has 6 batches trained; resumed at k=1 with a plain DataLoader, that epoch trains the other 6."""
+    failing = trainer(
+        strategy=CrossbowStrategy(3, engine="sequential"),  # (a fused attempt that fails puts `ran_out` back)
+        callbacks=[OnExceptionCheckpoint(tmp_path)],
+        enable_checkpointing=True,
+    )
+    with pytest.raises(RuntimeError, match="a step failed"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the back-off's warning)
+        failing.fit(_RunsOutOfMemoryThenFails(), loader(make_data(num_samples=96)))
+    samples = BatchesSeen()
+    resumed = trainer(strategy=CrossbowStrategy(1), callbacks=[samples])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (re-seeded at another k; Lightning's warning of a loader that cannot resume)
+        resumed.fit(Classifier(), loader(make_data(num_samples=96)), ckpt_path=tmp_path / "on_exception.ckpt")
+    torch.testing.assert_close(torch.cat(samples.epochs[0]), make_data(num_samples=96).tensors[0][:48], rtol=0, atol=0)
+    assert resumed.global_step == 2 + 6
 
 
 def test_a_mid_epoch_resume_under_a_smaller_fraction_of_the_batches_than_were_trained_trains_that_epoch_again(
