@@ -185,8 +185,8 @@ class ReplicaBatchLoader:
         self.num_replicas = num_replicas
         self.groups_yielded = 0  # in the current pass
         self.batches_taken = 0
-        #: Batches of the last group yielded (less those given back), for a step that does not end (see
-        #: :meth:`~lightning_crossbow.strategy.CrossbowStrategy.batches_in_flight`).
+        #: Batches of the last group yielded, less those given back: a checkpoint saved while its step runs (from
+        #: an exception in it) counts them drawn, not trained.
         self.last_group_batches = 0
         self._resume_at: Optional[tuple[int, int]] = None  # (groups, batches) of a pass resumed in its middle
         self._restart_counted = False  # whether that pass restarts at the loader's first batch (see count_on_from)

@@ -1616,17 +1616,16 @@ class CrossbowStrategy(DDPStrategy):
         # The groups and batches drawn, and those trained: a group drawn for a step that did not end (a checkpoint
         # saved from an exception, as OnExceptionCheckpoint's) is not, and plain Lightning trains its batch again.
         # (A checkpoint of plain Lightning, or of k=1, trained one batch per step.)
-        drawn = (counts[0], counts[1]) if counts else (progress.ready, progress.ready)
-        in_flight = state.get("batches_in_flight", 0) if counts else 0
-        self._resumed_pass_counts = drawn
-        self._resumed_pass_trained = (
-            (drawn[0] - 1, drawn[1] - in_flight) if in_flight else drawn if counts else (progress.processed,) * 2
-        )
+        if counts:
+            drawn, in_flight = (counts[0], counts[1]), state.get("batches_in_flight", 0)
+            trained = (counts[0] - 1, counts[1] - in_flight) if in_flight else drawn
+        else:
+            drawn, trained = (progress.ready, progress.ready), (progress.processed, progress.processed)
+        self._resumed_pass_counts, self._resumed_pass_trained = drawn, trained
         if self._fit_loader is not None and self.routing is None and not trainer.fit_loop._should_reload_train_dl:
             # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
             # iterator too, and Lightning will not load its position (nor does plain Lightning then). (A loader
             # that Lightning makes again when the epoch starts takes the counts then.)
-            trained = self._resumed_pass_trained
             self._count_on_from_the_checkpoint(self._fit_loader, trained, pass_begun=True, step_ended=trained == drawn)
             self._resumed_pass_counts = self._resumed_pass_trained = None
         saved_layout = state["ranks"][0]["stack"].get("names") if state is not None else None
