@@ -458,17 +458,27 @@ class FusedOrSequentialEngine(Engine):
             capture.clear()
             if isinstance(error, torch.cuda.OutOfMemoryError):
                 raise  # not a vmap failure: the strategy backs off one replica (the step left nothing behind)
-            reason = _first_line(error)
-            warnings.warn(
-                "crossbow: the training_step cannot run fused under torch.func.vmap"
-                f" ({type(error).__name__}: {reason}). Falling back to engine='sequential' for the rest of"
-                " training; pass engine='sequential' to silence this warning.",
-                stacklevel=2,
-            )
             self.active = self.sequential
             self._buffers.clear()
-            return self.sequential.run(stack, batches, args, capture)
+            try:
+                output = self.sequential.run(stack, batches, args, capture)
+            except Exception as again:
+                if type(again) is type(error) and str(again) == str(error):
+                    self.active = self.fused  # the step's own error, raised either way: not vmap's doing
+                    raise
+                self._warn_of_fallback(error)
+                raise
+            self._warn_of_fallback(error)
         return output
+
+    @staticmethod
+    def _warn_of_fallback(error: BaseException) -> None:
+        warnings.warn(
+            "crossbow: the training_step cannot run fused under torch.func.vmap"
+            f" ({type(error).__name__}: {_first_line(error)}). Falling back to engine='sequential' for the rest of"
+            " training; pass engine='sequential' to silence this warning.",
+            stacklevel=3,
+        )
 
     @property
     @override

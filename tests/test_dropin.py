@@ -465,6 +465,16 @@ def test_an_error_under_vmap_keeps_its_type_and_says_where_it_came_from_under_th
         )
 
 
+def test_the_steps_own_error_under_auto_is_raised_without_a_fallback_warning() -> None:
+    """An error that the sequential run of the step raises too is the step's own, not vmap's: it reaches the user as
+    it is, without the warning that the step cannot run fused."""
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="auto"), max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(_RaisesItsOwnError.BadBatch, match="refuses"):
+        warnings.simplefilter("always")
+        fit.fit(_RaisesItsOwnError(), loader(make_data(num_samples=128)))
+    assert not [w for w in caught if "cannot run fused" in str(w.message)]
+
+
 class _KeepsStepTensors(Classifier):
     """Lightning 2's idioms for a step's tensors: kept on the module in ``training_step``, read by a later hook
     (``where`` says how); and a count of the steps, which a fused attempt that is undone must not raise."""
