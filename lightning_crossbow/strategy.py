@@ -649,7 +649,7 @@ class CrossbowStrategy(DDPStrategy):
             if split != self._split and self.balancer is not None:
                 self.balancer.restart()  # a window measures one split (every rank changes at this same step)
             self._split = split
-        if self._gradients_pending and batch_idx % trainer.accumulate_grad_batches == 0:
+        if self._gradients_pending and not self.accumulating:
             # An optimizer step begins where Lightning zeroes the gradients, also after batches that no optimizer
             # step followed (an ``optimizer_step`` that runs the closure alone, skipping the step): their losses
             # and skips are dropped with their gradients.
