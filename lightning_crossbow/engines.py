@@ -702,6 +702,12 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
     ``None`` when the batches differ in structure, in a tensor's shape, dtype or device, or in a
     non-tensor value (:func:`_same_value`): such a group cannot be stacked.
     """
+    if _tensor_sequences(batches):  # the common ``(x, y)`` batches, without flattening each
+        columns = list(zip(*batches))
+        if not all(_one_kind(column) for column in columns):
+            return None
+        kind = type(batches[0])
+        return kind(torch.stack(column) for column in columns), kind(0 for _ in columns)
     leaves, spec = tree_flatten(batches[0])
     columns = [[leaf] for leaf in leaves]
     for other in batches[1:]:
@@ -724,6 +730,21 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
     stacked = [torch.stack(column) if isinstance(column[0], Tensor) else column[0] for column in columns]
     in_dims = [0 if isinstance(column[0], Tensor) else None for column in columns]
     return tree_unflatten(stacked, spec), tree_unflatten(in_dims, spec)
+
+
+def _tensor_sequences(batches: Sequence[Any]) -> bool:
+    """Whether every batch is a plain tuple (or every one a plain list) of tensors, all of one length."""
+    kind, length = type(batches[0]), len(batches[0]) if type(batches[0]) in (tuple, list) else -1
+    return length >= 0 and all(
+        type(batch) is kind and len(batch) == length and all(isinstance(item, Tensor) for item in batch)
+        for batch in batches
+    )
+
+
+def _one_kind(tensors: Sequence[Tensor]) -> bool:
+    """Whether the tensors have one shape, dtype and device (so that they stack)."""
+    first = tensors[0]
+    return all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in tensors)
 
 
 def _same_value(value: Any, other: Any) -> bool:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.data import ReplicaBatchLoader
-from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialEngine
+from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialEngine, _stack_batches
 from tests.helpers import (
     Classifier,
     ReplicaSnapshot,
@@ -58,6 +58,39 @@ def test_a_ragged_last_batch_runs_sequentially_in_the_fused_engine() -> None:
         model, loader(dataset)
     )
     assert model.trainer.global_step == 2 and torch.isfinite(next(model.parameters())).all()
+
+
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_tuple_and_list_batches_of_tensors_stack_per_position_into_the_same_kind(kind: type) -> None:
+    batches = [kind((torch.randn(4, 3), torch.randint(0, 5, (4,)), torch.randn(2))) for _ in range(3)]
+    stacked, in_dims = _stack_batches(batches)
+    assert type(stacked) is kind and in_dims == kind((0, 0, 0))
+    for position, column in enumerate(stacked):
+        assert column.shape == (3, *batches[0][position].shape)
+        for replica, batch in enumerate(batches):
+            assert torch.equal(column[replica], batch[position])
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        (torch.randn(5, 3), torch.zeros(4, dtype=torch.long)),  # another shape
+        (torch.randn(4, 3), torch.zeros(4, dtype=torch.int32)),  # another dtype
+        [torch.randn(4, 3), torch.zeros(4, dtype=torch.long)],  # a list beside tuples
+        (torch.randn(4, 3),),  # fewer tensors
+    ],
+    ids=["shape", "dtype", "kind", "length"],
+)
+def test_batches_that_differ_do_not_stack(other: Any) -> None:
+    first = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+    assert _stack_batches([first, other]) is None
+
+
+def test_a_tuple_batch_with_a_shared_non_tensor_value_stacks_its_tensors_and_shares_the_value() -> None:
+    batches = [(torch.randn(4, 3), "tag"), (torch.randn(4, 3), "tag")]
+    (x, tag), in_dims = _stack_batches(batches)
+    assert torch.equal(x, torch.stack([b[0] for b in batches])) and tag == "tag" and in_dims == (0, None)
+    assert _stack_batches([(torch.randn(4, 3), "tag"), (torch.randn(4, 3), "other")]) is None
 
 
 class _TransferHooks(Classifier):
