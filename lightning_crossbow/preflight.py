@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any, ContextManager
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_crossbow.data import ReplicaGroup
@@ -16,25 +15,14 @@ from lightning_crossbow.tuner import ReplicaAutoTuner
 
 def check_callbacks(trainer: "pl.Trainer") -> None:
     """Refuses, before training, the callbacks whose work crossbow's replicas would silently undo."""
-    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
+    from lightning.pytorch.callbacks import ModelPruning
 
     for callback in trainer.callbacks:
-        problem = None
         if isinstance(callback, ModelPruning):
-            problem = (
-                "it re-registers each pruned parameter (weight_orig and a mask), and crossbow replicates the parameters"
-            )
-        elif isinstance(callback, StochasticWeightAveraging) and any(
-            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in trainer.lightning_module.modules()
-        ):
-            problem = (
-                "with BatchNorm it recomputes the running statistics of the averaged weights in an extra epoch,"
-                " which crossbow would run on the replicas instead (without BatchNorm it works)"
-            )
-        if problem is not None:
             raise ValueError(
-                f"crossbow cannot train with the {type(callback).__name__} callback: {problem}. Remove the callback,"
-                " or train with another strategy."
+                f"crossbow cannot train with the {type(callback).__name__} callback: it re-registers each pruned"
+                " parameter (weight_orig and a mask), and crossbow replicates the parameters. Remove the callback, or"
+                " train with another strategy."
             )
 
 

@@ -62,7 +62,14 @@ from lightning_crossbow.data import (
     loader_length,
     skips_over_a_tenth,
 )
-from lightning_crossbow.engines import ENGINES, STREAMS_NEED_CUDA, Engine, FastestEngine, make_engine
+from lightning_crossbow.engines import (
+    ENGINES,
+    STREAMS_NEED_CUDA,
+    Engine,
+    FastestEngine,
+    SequentialEngine,
+    make_engine,
+)
 from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
@@ -239,6 +246,7 @@ class CrossbowStrategy(DDPStrategy):
 
         self.stack: Optional[ReplicaStack] = None
         self.engine: Optional[Engine] = None
+        self._sequential_forwards: Optional[SequentialEngine] = None  # (see _forward_only_engine)
         self._log_capture = LogCapture()
         self._step_losses: Optional[Tensor] = None
         self._step_skipped: Optional[Tensor] = None  # replicas whose training_step returned None this step
@@ -661,8 +669,33 @@ class CrossbowStrategy(DDPStrategy):
         self._follow_trainable_parameters(step_starts=not self._gradients_pending)
         if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
             self._reset_if_lr_dropped()
+            if trainer.fit_loop._skip_backward:
+                self._start_forward_only_step()
         elif self._mean_gradients is not None:  # what a hook changed since the last batch accumulates on
             self._mean_gradients.apply_changes_()
+
+    def _start_forward_only_step(self) -> None:
+        """While Lightning skips the backward (``StochasticWeightAveraging``'s BatchNorm epoch, whose forwards only
+        recompute the running statistics of the weights it averaged), nothing trains: every replica runs its
+        forwards from z, weights and buffers as the module holds them (the callback reset its statistics), and the
+        step, which has no gradients to take, gives z the replicas' mean buffers and moves no weight
+        (:meth:`_nothing_to_step`)."""
+        assert self.stack is not None
+        self.stack.reset_replicas_(self.lightning_module, buffers=True)
+
+    def _forward_only_engine(self) -> Engine:
+        """The engine of the steps whose backward Lightning skips: the replicas one after another (sequential).
+        Nothing is trained, and ``vmap`` cannot run BatchNorm's cumulative average (``momentum=None``, which
+        ``StochasticWeightAveraging`` sets for them): it reads the count of batches seen as a number."""
+        if self._sequential_forwards is None:
+            self._sequential_forwards = SequentialEngine(self.lightning_module)
+        return self._sequential_forwards
+
+    def _nothing_to_step(self) -> bool:
+        """Whether no replica's parameter has a gradient: the user's optimizer would move nothing (it passes over a
+        parameter without one), so no rule moves z either, as when every replica skips the step."""
+        assert self.stack is not None
+        return all(leaf.grad is None for leaf in self.stack.params.values())
 
     def _follow_trainable_parameters(self, step_starts: bool) -> None:
         """Follows what a callback or hook changed since the last batch: a parameter frozen is no longer trained
@@ -773,8 +806,9 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.rebind_(module)
         if self.averaging.learners_start_at_center and not self._gradients_pending:  # an optimizer step's first batch
             self.stack.reset_replicas_(module)
+        engine = self.engine if not module.trainer.fit_loop._skip_backward else self._forward_only_engine()
         with self.precision_plugin.train_step_context():
-            output = self.engine.run(self.stack, batches, rest, self._log_capture)
+            output = engine.run(self.stack, batches, rest, self._log_capture)
         losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
         # A replica skips the step only if it skipped every batch the step accumulates (None: none skipped).
@@ -1078,6 +1112,8 @@ class CrossbowStrategy(DDPStrategy):
         output = self._local_step(optimizer, closure, model, **kwargs)
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
+        if self._nothing_to_step():  # (Lightning skipped the backward): as if every replica skipped
+            skipped = torch.ones(self.stack.num_replicas, dtype=torch.bool, device=self.root_device)
         if skipped is not None and self.world_size == 1 and diverged is None and bool(skipped.all()):
             # Every learner skipped: nothing moves (not z, nor its momentum), but the forwards moved the replicas'
             # buffers (BatchNorm statistics), as plain Lightning's forward moves its own.
@@ -1734,7 +1770,7 @@ class CrossbowStrategy(DDPStrategy):
         if self.stack is not None:  # (a checkpoint saved after fit reads the optimizer, still over them)
             self._leaves_after_fit = list(self.stack.params.values())
         self.stack = None
-        self.engine = None
+        self.engine = self._sequential_forwards = None
         self._step_losses = self._step_skipped = None
         self._gradients_pending = False  # (a fit may stop between two accumulated batches)
         self._group = self._group_cut = None  # (a fit may stop by an error in a step)

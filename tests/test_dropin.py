@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
@@ -1007,6 +1007,79 @@ def test_a_zero_dim_parameter_s_optimizer_state_is_seeded_per_replica(tmp_path: 
         fit.fit(_WithTemperature(), loader(dataset), ckpt_path=tmp_path / "plain.ckpt")
     assert fit.global_step == 8 + 2  # it trained on (8 batches at k=3: 2 steps): the state has a row per replica
     assert [tuple(t.shape) for t in seen.exp_avg].count((3,)) == 1  # the temperature's, one value per replica
+
+
+class _WithBatchNorm(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+class _ClearGradientsAtEpochEnd(L.Callback):
+    """Drops the gradients when an epoch ends. Without it, the optimizer step that ends the BatchNorm epoch of
+    ``StochasticWeightAveraging`` (whose backward Lightning skips, zeroing nothing) takes the last training step's
+    gradients again, in plain Lightning as in crossbow, and moves the averaged weights."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        trainer.optimizers[0].zero_grad(set_to_none=True)
+
+
+def _fit_with_swa(
+    strategy: Any, dataset: Any, clear_gradients: bool = False
+) -> tuple[_WithBatchNorm, StochasticWeightAveraging, list[str]]:
+    torch.manual_seed(0)
+    model, swa = _WithBatchNorm(), StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+    callbacks = [swa, _ClearGradientsAtEpochEnd()] if clear_gradients else [swa]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer(strategy=strategy, max_epochs=3, callbacks=callbacks).fit(model, loader(dataset))
+    return model, swa, [str(w.message) for w in record if "crossbow" in str(w.message)]
+
+
+def test_stochastic_weight_averaging_with_batch_norm_at_one_replica_is_plain_lightning() -> None:
+    dataset = make_data(num_samples=64)
+    plain, _, _ = _fit_with_swa("auto", dataset)
+    for engine in ("fused", "sequential"):
+        crossbow, _, warned = _fit_with_swa(CrossbowStrategy(replicas_per_device=1, engine=engine), dataset)
+        assert not warned and crossbow.trainer.global_step == plain.trainer.global_step
+        for (name, a), b in zip(plain.state_dict().items(), crossbow.state_dict().values(), strict=True):
+            torch.testing.assert_close(
+                a, b, rtol=0, atol=0, msg=name
+            )  # the averaged weights, the recomputed statistics
+
+
+@pytest.mark.parametrize("clear_gradients", [True, False], ids=["gradients cleared", "gradients kept"])
+@pytest.mark.parametrize("algorithm", ["scaled_averaging", "sma"])
+@pytest.mark.parametrize("engine", ["fused", "sequential", "auto"])
+def test_stochastic_weight_averagings_batch_norm_epoch_recomputes_the_statistics_of_the_averaged_weights(
+    engine: str, algorithm: str, clear_gradients: bool
+) -> None:
+    """Its last epoch only runs forwards, every replica from z (the averaged weights): z's running statistics are
+    then those of every batch at the averaged weights, as ``torch.optim.swa_utils.update_bn`` finds them. With no
+    gradients left for the step that ends that epoch, z keeps the averaged weights (no rule moves it, not even sma's
+    momentum on z), as plain Lightning's weights stay."""
+    dataset = make_data(num_samples=64)  # 8 batches: 4 steps at k=2
+    model, swa, warned = _fit_with_swa(
+        CrossbowStrategy(replicas_per_device=2, engine=engine, algorithm=algorithm), dataset, clear_gradients
+    )
+    assert not warned  # (auto did not fall back: the forwards of that epoch run one replica after another)
+    reference = copy.deepcopy(model)
+    for averaged, weight in zip(swa._average_model.parameters(), reference.parameters(), strict=True):
+        if clear_gradients:
+            torch.testing.assert_close(weight, averaged, rtol=0, atol=0)
+        weight.data.copy_(averaged)
+    torch.optim.swa_utils.update_bn(loader(dataset), reference)
+    batch_norm, expected = model.net[1], reference.net[1]
+    torch.testing.assert_close(batch_norm.running_mean, expected.running_mean)
+    torch.testing.assert_close(batch_norm.running_var, expected.running_var)
+    assert batch_norm.momentum == expected.momentum == 0.1  # (the callback put the momentum back)
+
+
+def test_plain_lightnings_weights_stay_averaged_when_the_batch_norm_epoch_has_no_gradients() -> None:
+    """What the test above expects of crossbow, plain Lightning does."""
+    model, swa, _ = _fit_with_swa("auto", make_data(num_samples=64), clear_gradients=True)
+    for averaged, weight in zip(swa._average_model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(weight, averaged, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- frozen parameters given to the optimizer
