@@ -677,11 +677,13 @@ class CrossbowStrategy(DDPStrategy):
     def _start_forward_only_step(self) -> None:
         """While Lightning skips the backward (``StochasticWeightAveraging``'s BatchNorm epoch, whose forwards only
         recompute the running statistics of the weights it averaged), nothing trains: every replica runs its
-        forwards from z, weights and buffers as the module holds them (the callback reset its statistics), and the
-        step, which has no gradients to take, gives z the replicas' mean buffers and moves no weight
-        (:meth:`_nothing_to_step`)."""
+        forwards from z, weights and buffers as the module holds them (the callback reset its statistics), and z's
+        momentum forgets the callback's change of z (z_prev <- z). The step that ends the window gives z the
+        replicas' mean buffers; without gradients it moves no weight (:meth:`_nothing_to_step`)."""
         assert self.stack is not None
         self.stack.reset_replicas_(self.lightning_module, buffers=True)
+        for bucket in self.stack.buckets:
+            bucket.center_prev.copy_(bucket.center)
 
     def _forward_only_engine(self) -> Engine:
         """The engine of the steps whose backward Lightning skips: the replicas one after another (sequential).
