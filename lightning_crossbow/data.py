@@ -19,11 +19,12 @@ user's loader does: the same batches, the same calls in the same order, one iter
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from itertools import chain, islice
 from typing import Any, Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 from typing_extensions import override
 
@@ -53,6 +54,21 @@ def skips_over_a_tenth(batches: int, group_size: int) -> bool:
 class ReplicaGroup(list):
     """The batches of one step, replica j's at index j. A list, so that Lightning moves it like any batch;
     its own type tells the strategy to apply the module's batch-transfer hooks to each batch alone."""
+
+
+def tensor_sequences(batches: Sequence[Any]) -> bool:
+    """Whether every batch is a plain tuple (or every one a plain list) of tensors, all of one length (the common
+    ``(x, y)``, which needs no flattening to be stacked or moved)."""
+    if not batches:
+        return False
+    kind = type(batches[0])
+    if kind not in (tuple, list):
+        return False
+    length = len(batches[0])
+    return all(
+        type(batch) is kind and len(batch) == length and all(isinstance(item, Tensor) for item in batch)
+        for batch in batches
+    )
 
 
 class GroupedBatchSampler(Sampler[list[Any]]):

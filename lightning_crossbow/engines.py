@@ -39,6 +39,7 @@ from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
+from lightning_crossbow.data import tensor_sequences
 from lightning_crossbow.fused_layers import fusable_layers, fused_layers, fuses_on
 from lightning_crossbow.kept_tensors import KeptTensors
 from lightning_crossbow.log_capture import LogCapture
@@ -702,7 +703,7 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
     ``None`` when the batches differ in structure, in a tensor's shape, dtype or device, or in a
     non-tensor value (:func:`_same_value`): such a group cannot be stacked.
     """
-    if _tensor_sequences(batches):  # the common ``(x, y)`` batches, without flattening each
+    if tensor_sequences(batches):  # the common ``(x, y)`` batches, without flattening each
         columns = list(zip(*batches))
         if not all(_one_kind(column) for column in columns):
             return None
@@ -730,15 +731,6 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
     stacked = [torch.stack(column) if isinstance(column[0], Tensor) else column[0] for column in columns]
     in_dims = [0 if isinstance(column[0], Tensor) else None for column in columns]
     return tree_unflatten(stacked, spec), tree_unflatten(in_dims, spec)
-
-
-def _tensor_sequences(batches: Sequence[Any]) -> bool:
-    """Whether every batch is a plain tuple (or every one a plain list) of tensors, all of one length."""
-    kind, length = type(batches[0]), len(batches[0]) if type(batches[0]) in (tuple, list) else -1
-    return length >= 0 and all(
-        type(batch) is kind and len(batch) == length and all(isinstance(item, Tensor) for item in batch)
-        for batch in batches
-    )
 
 
 def _one_kind(tensors: Sequence[Tensor]) -> bool:

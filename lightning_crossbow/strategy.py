@@ -61,6 +61,7 @@ from lightning_crossbow.data import (
     RoutedBatchLoader,
     loader_length,
     skips_over_a_tenth,
+    tensor_sequences,
 )
 from lightning_crossbow.engines import (
     ENGINES,
@@ -1801,9 +1802,16 @@ class CrossbowStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Moves a group of the replicas' batches batch by batch when the module (or datamodule) has its own
         ``transfer_batch_to_device`` or ``on_after_batch_transfer`` hook, so that it sees one batch at a time, as in
-        plain Lightning; with Lightning's default hooks the group moves in one pass."""
-        if isinstance(batch, ReplicaGroup) and self._transfer_per_batch:
-            return ReplicaGroup(super(CrossbowStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch)
+        plain Lightning; with Lightning's default hooks the group moves in one pass (batches that are tuples or lists
+        of tensors: each tensor as Lightning's default moves it, without walking the group)."""
+        if isinstance(batch, ReplicaGroup):
+            if self._transfer_per_batch:
+                return ReplicaGroup(
+                    super(CrossbowStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch
+                )
+            if tensor_sequences(batch):
+                target = self.root_device if device is None else torch.device(device)
+                return ReplicaGroup(_moved_tensors(b, target) for b in batch)
         return super().batch_to_device(batch, device, dataloader_idx)  # the default hooks: one pass over the group
 
     @classmethod
@@ -1823,6 +1831,14 @@ class CrossbowStrategy(DDPStrategy):
 
 
 _TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def _moved_tensors(batch: Union[tuple[Tensor, ...], list[Tensor]], device: torch.device) -> Any:
+    """A tuple or list of tensors moved to ``device`` as Lightning's default ``transfer_batch_to_device`` moves each
+    (``non_blocking`` where it is not the CPU or MPS)."""
+    if device.type in ("cpu", "mps"):
+        return type(batch)(tensor.to(device) for tensor in batch)
+    return type(batch)(tensor.to(device, non_blocking=True) for tensor in batch)
 
 
 def _on_before_batch_transfer(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:

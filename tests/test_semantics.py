@@ -12,13 +12,14 @@ import lightning as L
 import pytest
 import torch
 import torchmetrics
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
-from lightning_crossbow.data import ReplicaBatchLoader
+from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup
 from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialEngine, _stack_batches
 from tests.helpers import (
     Classifier,
@@ -91,6 +92,23 @@ def test_a_tuple_batch_with_a_shared_non_tensor_value_stacks_its_tensors_and_sha
     (x, tag), in_dims = _stack_batches(batches)
     assert torch.equal(x, torch.stack([b[0] for b in batches])) and tag == "tag" and in_dims == (0, None)
     assert _stack_batches([(torch.randn(4, 3), "tag"), (torch.randn(4, 3), "other")]) is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_group_of_tuple_or_list_batches_moves_as_lightnings_default_hook_moves_it(device: str) -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=1)
+    fit.fit(Classifier(), loader(make_data(num_samples=16)))
+    for kind in (tuple, list):
+        group = ReplicaGroup(kind((torch.randn(3, 2), torch.arange(3))) for _ in range(2))
+        moved = fit.strategy.batch_to_device(group, torch.device(device))
+        expected = move_data_to_device(group, torch.device(device))
+        assert type(moved) is ReplicaGroup and len(moved) == 2
+        for batch, batch_expected in zip(moved, expected, strict=True):
+            assert type(batch) is kind
+            for tensor, tensor_expected in zip(batch, batch_expected, strict=True):
+                assert tensor.device == tensor_expected.device and tensor.dtype == tensor_expected.dtype
+                if device == "cpu":
+                    assert torch.equal(tensor, tensor_expected)
 
 
 class _TransferHooks(Classifier):
