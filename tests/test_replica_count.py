@@ -183,11 +183,11 @@ def test_a_change_of_k_at_an_epochs_end_validates_once_at_its_last_step(k, new_k
 @pytest.mark.parametrize(
     ("interval", "k", "changes", "validated_at"),
     [
-        # Lightning validates after steps 2 and 4 of k=2 by its count of steps (every int(5 * 0.5) steps): the check
-        # at step 2 counts once, also when k then changes (a larger k after the last step, or one that ends the epoch).
-        (0.5, 2, {}, [(0, 2), (0, 4)]),
-        (0.5, 2, {4: 3}, [(0, 2), (0, 4)]),
-        (0.5, 2, {2: 3}, [(0, 2), (0, 4)]),
+        # A check every 5 of 10 batches: after step 3 of k=2 (6 batches) and the epoch's last step; each counts once,
+        # also when k then changes (a larger k after the last step, or one whose step 4 of 3 batches ends the epoch).
+        (0.5, 2, {}, [(0, 3), (0, 5)]),
+        (0.5, 2, {4: 3}, [(0, 3), (0, 5)]),
+        (0.5, 2, {2: 3}, [(0, 3), (0, 4)]),
         # A check every 2 of 10 batches, 5 an epoch: a step of 3 batches that reaches two of them validates once for
         # both, and the epoch's last step (batch 10 fills no step) does the fifth.
         (0.25, 3, {1: 1, 4: 4}, [(0, 1), (0, 2), (0, 4), (0, 5)]),
@@ -206,6 +206,25 @@ def test_a_fractional_validation_interval_counts_each_check_once_when_k_changes(
     )
     fit.fit(Classifier(), loader(make_data(num_samples=80)), loader(make_data(num_samples=16, seed=1)))
     assert validations.runs == validated_at  # (epoch, global step)
+
+
+@pytest.mark.parametrize(
+    ("batches", "interval", "k", "validated_after_batches"),
+    [
+        (10, 0.3, 2, [4, 6, 10]),  # plain Lightning: after 3, 6 and 9 (Lightning's count of 5 steps: every step)
+        (12, 0.25, 2, [4, 6, 10, 12]),  # after 3, 6, 9, 12 (every step by Lightning's count of 6 steps)
+        (12, 0.5, 3, [6, 12]),  # after 6 and 12: whole steps, as by Lightning's count
+    ],
+)
+def test_a_fractional_validation_interval_at_a_fixed_k_validates_as_often_as_plain_lightning(
+    batches: int, interval: float, k: int, validated_after_batches: list[int]
+) -> None:
+    validations = _RecordsValidation()
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=k), callbacks=[validations], val_check_interval=interval
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=8 * batches)), loader(make_data(num_samples=16, seed=1)))
+    assert [k * step for _, step in validations.runs] == validated_after_batches
 
 
 def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
@@ -504,7 +523,7 @@ class _ChangesReplicasAt(L.Callback):
 def test_a_fractional_validation_interval_validates_at_its_fractions_of_the_batches_while_k_changes() -> None:
     """80 batches, val_check_interval=0.25: plain Lightning validates after 20, 40, 60 and 80 of them. With k changed
     four times in the first epoch, crossbow validates after the first step to reach each of them (and after the
-    epoch's last step, whose 79 batches leave one that fills no step); the next epochs, at one k, as plain."""
+    epoch's last step, whose 79 batches leave one that fills no step); the next epoch, at one k, the same way."""
     validations = _BatchesAtValidation()
     fit = trainer(
         strategy=CrossbowStrategy(replicas_per_device=1),
@@ -517,7 +536,7 @@ def test_a_fractional_validation_interval_validates_at_its_fractions_of_the_batc
     # epoch 0: 3 steps at k=1, 5 at k=2, 4 at k=3, 5 at k=4, 11 at k=3; its batches after each step run
     # 1, 2, 3, 5, ..., 19, 22, ..., 37, 41, ..., 57, 60, ..., 75, 78
     assert validations.at[0] == [22, 41, 60, 78]
-    assert validations.at[1] == [18, 36, 54, 72]  # (at k=3 throughout: every int(26 steps / 4) = 6, as Lightning)
+    assert validations.at[1] == [21, 42, 60, 78]  # (at k=3 throughout, as well: the first steps to reach 20, 40, ...)
 
 
 @pytest.mark.parametrize(("limit", "overfit"), [(0.8, False), (0.99, False), (0.3, True)])
