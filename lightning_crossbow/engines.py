@@ -407,7 +407,7 @@ class FusedEngine(Engine):
                     " cannot run a step, engine='auto' runs it sequentially."
                 )
             raise
-        capture.add_stacked(recorded, logged)
+        capture.add_stacked(recorded, logged, stack.num_replicas)
         keep_replaced_buffers(stack, replaced)
         if skipped_all[0]:
             k = stack.num_replicas

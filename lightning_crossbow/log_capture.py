@@ -1,17 +1,18 @@
-"""Captures what a LightningModule logs from k replicas and logs it once: the mean over replicas.
+"""Captures what a LightningModule logs from k replicas and logs it once, reduced over the replicas.
 
 ``self.log`` cannot run per replica: under ``torch.func.vmap`` the value would escape the vmapped
 call, and in a loop Lightning would keep the last replica's value. While a replica's
 ``training_step`` runs, ``module.log``/``module.log_dict`` are shadowed by recorders; afterwards
-:meth:`LogCapture.replay` calls the real ``self.log`` once per name with the mean over replicas
-(torchmetrics ``Metric`` objects are passed through once: they already aggregate every replica's
-updates, for the epoch value; the step value, which Lightning reads from the metric's last ``forward``, is
-set to the mean over replicas of each replica's own ``forward`` value).
+:meth:`LogCapture.replay` calls the real ``self.log`` once per name with the mean over replicas (with
+``reduce_fx="sum"``, ``"max"`` or ``"min"``, their sum, max or min, so that Lightning's reduction over the steps
+is that reduction over every batch). torchmetrics ``Metric`` objects are passed through once: they already
+aggregate every replica's updates, for the epoch value; the step value, which Lightning reads from the metric's
+last ``forward``, is set to the mean over replicas of each replica's own ``forward`` value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,15 +74,16 @@ class LogCapture:
             logged.per_replica.append(call.value)
             logged.step_values.append(call.step_value)
 
-    def add_stacked(self, calls: list[LogCall], stacked_values: list[Tensor]) -> None:
-        """Adds the calls of a fused step: tensor values come stacked, shape ``(k, ...)``."""
+    def add_stacked(self, calls: list[LogCall], stacked_values: list[Tensor], num_replicas: int) -> None:
+        """Adds the calls of a fused step of ``num_replicas`` replicas: tensor values come stacked, shape
+        ``(k, ...)``; any other value, computed once under vmap, is every replica's."""
         tensors = iter(stacked_values)
         for call in calls:
             logged = self._logged.setdefault(call.name, _Logged(call.kwargs))
             if isinstance(call.value, Tensor):
                 logged.stacked.append(next(tensors))
             else:
-                logged.per_replica.append(call.value)
+                logged.per_replica.extend([call.value] * num_replicas)
 
     def clear(self) -> None:
         """Drops what was captured (the logs of an attempt that failed: a fused step, an out-of-memory step)."""
@@ -90,26 +92,43 @@ class LogCapture:
     def replay(self, module: Any) -> None:
         """Logs every captured name once through the real ``module.log``; clears the capture."""
         for name, logged in self._logged.items():
-            module.log(name, _mean_over_replicas(logged), **logged.kwargs)
+            module.log(name, _reduced_over_replicas(logged), **logged.kwargs)
         self._logged.clear()
 
 
-def _mean_over_replicas(logged: _Logged) -> Any:
-    """Mean over replicas of tensors (stacked or per replica) and numbers; a Metric object passes through, its step
-    value the replicas' mean (:func:`_with_mean_step_value`)."""
+def over_replicas(reduce_fx: Any) -> Callable[[Tensor], Tensor]:
+    """The reduction over the replicas' values (dim 0) that, followed by Lightning's ``reduce_fx`` over the steps,
+    gives that reduction over every batch: the mean (the default: Lightning's mean over steps of equal batches), or
+    the sum, max or min. (A reduction Lightning does not know gets the mean; Lightning then refuses it.)"""
+    name = reduce_fx.lower() if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
+    return _OVER_REPLICAS.get(name, _OVER_REPLICAS["mean"])
+
+
+_OVER_REPLICAS: dict[str, Callable[[Tensor], Tensor]] = {
+    "mean": lambda values: values.mean(0),
+    "sum": lambda values: values.sum(0),
+    "max": lambda values: values.amax(0),
+    "min": lambda values: values.amin(0),
+}
+
+
+def _reduced_over_replicas(logged: _Logged) -> Any:
+    """Tensors (stacked or per replica) and numbers reduced over the replicas as ``reduce_fx`` asks
+    (:func:`over_replicas`); a Metric object passes through, its step value the replicas' mean
+    (:func:`_with_mean_step_value`)."""
     others = [v for v in logged.per_replica if not isinstance(v, Tensor)]
     if others and isinstance(others[0], Metric):
         return _with_mean_step_value(others[0], logged.step_values)
+    reduce = over_replicas(logged.kwargs.get("reduce_fx", "mean"))
     tensors = [v for v in logged.per_replica if isinstance(v, Tensor)]
     if not others and len(tensors) + len(logged.stacked) == 1:  # one source: no concatenation needed
         if tensors:
             return tensors[0].detach()  # one replica: its value, exactly as plain Lightning would log it
-        return logged.stacked[0].detach().float().mean(0)
+        return reduce(logged.stacked[0].detach().float())
     rows = [t.detach() for t in logged.stacked]
     rows += [v.detach().unsqueeze(0) for v in tensors]
     rows += [torch.tensor([float(v)]) for v in others]
-    values = torch.cat([r.to(rows[0].device).float() for r in rows])
-    return values.mean(0)
+    return reduce(torch.cat([r.to(rows[0].device).float() for r in rows]))
 
 
 def _with_mean_step_value(metric: Metric, step_values: list[Any]) -> Metric:

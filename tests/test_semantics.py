@@ -475,6 +475,35 @@ def test_logged_values_are_the_mean_over_replicas(engine: str) -> None:
     assert float(t.callback_metrics["const"]) == 3.0
 
 
+class _LogsEpochReductions(Classifier):
+    """Logs epoch sums, maxima and minima of statistics of the batch alone (not of the weights)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.log("samples", float(len(y)), on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log("label_sum", y.sum().float(), on_step=False, on_epoch=True, reduce_fx=torch.sum)
+        self.log("x_max", x.max(), on_step=False, on_epoch=True, reduce_fx="max")
+        self.log("x_min", x.min(), on_step=False, on_epoch=True, reduce_fx="min")
+        self.log("x_mean", x.mean(), on_step=False, on_epoch=True)
+        return nn.functional.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize(("k", "engine"), [(1, "fused"), (2, "fused"), (2, "sequential"), (4, "fused")])
+def test_epoch_sums_maxima_and_minima_are_over_every_batch_as_in_plain_lightning(k: int, engine: str) -> None:
+    dataset = make_data(num_samples=64)  # 8 batches of 8
+    metrics = {}
+    for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=k, engine=engine))):
+        fit = trainer(strategy=strategy)
+        fit.fit(_LogsEpochReductions(), loader(dataset))
+        metrics[name] = {key: float(value) for key, value in fit.callback_metrics.items() if "crossbow" not in key}
+    x, y = dataset.tensors
+    assert metrics["plain"]["samples"] == metrics["crossbow"]["samples"] == 64
+    assert metrics["plain"]["label_sum"] == metrics["crossbow"]["label_sum"] == float(y.sum())
+    assert metrics["plain"]["x_max"] == metrics["crossbow"]["x_max"] == float(x.max())
+    assert metrics["plain"]["x_min"] == metrics["crossbow"]["x_min"] == float(x.min())
+    assert metrics["crossbow"]["x_mean"] == pytest.approx(metrics["plain"]["x_mean"], rel=1e-6)
+
+
 class _SkipsEveryThirdBatch(Classifier):
     """Logs per-batch epoch aggregates, and skips (returns None from) every third batch."""
 
