@@ -159,6 +159,15 @@ class Engine(ABC):
         """Whether the user's ``training_step`` proved unable to run fused (so a new engine need not try)."""
         return False
 
+    def fall_back_after_backward(self, stack: ReplicaStack, capture: LogCapture) -> bool:
+        """Called when the step's backward (or a hook around it) raised after its forward ran: an engine that ran
+        the step fused and may fall back undoes what the forward did and runs sequentially from now on (True: the
+        caller runs the step again); False otherwise (the error stands)."""
+        return False
+
+    def after_rerun(self, error: BaseException, again: Optional[BaseException]) -> None:
+        """After the step that :meth:`fall_back_after_backward` undid ran again: ``again`` is what that raised."""
+
     @property
     def measuring(self) -> bool:
         """Whether the engine is still timing candidates (its steps are not yet representative)."""
@@ -326,6 +335,7 @@ class FusedEngine(Engine):
         self._fused_layers: Optional[list[nn.Module]] = None  #: the layers run fused (found at the first step)
         self._wrong_layer: Optional[str] = None  #: why vmap gets a layer wrong ("" for none; found at the first step)
         self.metrics = _metrics_of(module)  #: the module's torchmetrics metrics (walked once)
+        self.ran_fused = False  #: whether the last step ran under vmap (not a group that could not be stacked)
 
     def _warn_if_autocast(self, device: torch.device) -> None:
         """Mixed precision under vmap is partial: say so once."""
@@ -347,6 +357,7 @@ class FusedEngine(Engine):
             self._wrong_layer = layer_vmap_gets_wrong(self.module) or ""
         if self._wrong_layer:
             raise NotFusableError(f"{self._wrong_layer}; use engine='auto' or 'sequential'")
+        self.ran_fused = False
         stacked = _stack_batches(batches)
         if stacked is None:
             return self.sequential.run(stack, batches, args, capture)
@@ -407,6 +418,7 @@ class FusedEngine(Engine):
                     " cannot run a step, engine='auto' runs it sequentially."
                 )
             raise
+        self.ran_fused = True
         capture.add_stacked(recorded, logged, stack.num_replicas)
         keep_replaced_buffers(stack, replaced)
         if skipped_all[0]:
@@ -429,6 +441,9 @@ class FusedOrSequentialEngine(Engine):
     the module's own attributes is undone (:mod:`~lightning_crossbow.kept_tensors`); the sequential run of that step
     is then the one ``engine="sequential"`` would have made, unless the step changed other state of its own (a
     counter elsewhere than on the module, items added to a long list), which the attempt changed once already.
+    A step whose forward ran fused and whose backward then fails (``vmap``'s rules for the backward, say under
+    activation checkpointing) is undone the same way, but for the module's attributes, and run again by the
+    strategy (:meth:`fall_back_after_backward`).
     """
 
     name = "auto"
@@ -439,23 +454,29 @@ class FusedOrSequentialEngine(Engine):
         self.sequential = self.fused.sequential
         self.active: Engine = self.fused
         self._buffers = BufferSnapshot()  # the replicas' buffers before each fused step
+        self._undo: Optional[Callable[[ReplicaStack], None]] = None  # the last fused step's, until its backward ran
 
     @override
     def run(
         self, stack: ReplicaStack, batches: Sequence[Any], args: Sequence[Any], capture: LogCapture
     ) -> ReplicaStepOutput:
+        self._undo = None
         if self.active is self.sequential:
             return self.sequential.run(stack, batches, args, capture)
         self._buffers.take(stack)
         saved_metrics = {metric: dict(vars(metric)) for metric in self.fused.metrics}
         random_state = RandomState(_device_of(stack))
-        try:
-            output = self.fused.run(stack, batches, args, capture)
-        except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
+
+        def undo(stack: ReplicaStack) -> None:
             self._buffers.restore_(stack)
             for metric, state in saved_metrics.items():
                 vars(metric).update(state)
             random_state.restore()
+
+        try:
+            output = self.fused.run(stack, batches, args, capture)
+        except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
+            undo(stack)
             capture.clear()
             if isinstance(error, torch.cuda.OutOfMemoryError):
                 raise  # not a vmap failure: the strategy backs off one replica (the step left nothing behind)
@@ -470,12 +491,32 @@ class FusedOrSequentialEngine(Engine):
                 self._warn_of_fallback(error)
                 raise
             self._warn_of_fallback(error)
+        if self.fused.ran_fused:
+            self._undo = undo
         return output
 
+    @override
+    def fall_back_after_backward(self, stack: ReplicaStack, capture: LogCapture) -> bool:
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return False
+        undo(stack)
+        capture.clear()
+        self.active = self.sequential
+        self._buffers.clear()
+        return True
+
+    @override
+    def after_rerun(self, error: BaseException, again: Optional[BaseException]) -> None:
+        if again is not None and type(again) is type(error) and str(again) == str(error):
+            self.active = self.fused  # the step's own error, raised either way: not vmap's doing
+            return
+        self._warn_of_fallback(error, "the training_step's backward")
+
     @staticmethod
-    def _warn_of_fallback(error: BaseException) -> None:
+    def _warn_of_fallback(error: BaseException, part: str = "the training_step") -> None:
         warnings.warn(
-            "crossbow: the training_step cannot run fused under torch.func.vmap"
+            f"crossbow: {part} cannot run fused under torch.func.vmap"
             f" ({type(error).__name__}: {_first_line(error)}). Falling back to engine='sequential' for the rest of"
             " training; pass engine='sequential' to silence this warning.",
             stacklevel=3,
@@ -611,6 +652,14 @@ class FastestEngine(Engine):
     @override
     def fused_failed(self) -> bool:
         return any(engine.fused_failed for engine in self.candidates.values())
+
+    @override
+    def fall_back_after_backward(self, stack: ReplicaStack, capture: LogCapture) -> bool:
+        return self.active.fall_back_after_backward(stack, capture)
+
+    @override
+    def after_rerun(self, error: BaseException, again: Optional[BaseException]) -> None:
+        self.active.after_rerun(error, again)
 
 
 def make_engine(

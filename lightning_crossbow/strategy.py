@@ -1178,6 +1178,37 @@ class CrossbowStrategy(DDPStrategy):
         return output
 
     def _forward_backward(self, closure: Callable[[], Any]) -> Any:
+        """Lightning's closure (the replicas' ``training_step`` and backward, :meth:`_backing_off`). A step that ran
+        fused under ``engine="auto"`` and failed after its forward, in the backward that ``vmap``'s rules give it
+        (activation checkpointing, say), runs again sequentially, as one that fails in the forward does
+        (:meth:`~lightning_crossbow.engines.Engine.fall_back_after_backward`): at a step's first batch (no
+        gradients accumulated, which a failed backward may have added to), with the step's losses and logs
+        dropped and its gradients cleared. An error that the sequential run raises as well is raised, without the
+        fallback's warning (the step's own: auto stays fused)."""
+        assert self.stack is not None and self.engine is not None
+        pending, losses, skipped = self._gradients_pending, self._step_losses, self._step_skipped
+        try:
+            return self._backing_off(closure)
+        except Exception as error:  # noqa: BLE001 - the engine says whether it may run the step again
+            if (
+                pending
+                or isinstance(error, torch.cuda.OutOfMemoryError)  # (not vmap's doing)
+                or not self.engine.fall_back_after_backward(self.stack, self._log_capture)
+            ):
+                raise
+            failure = error
+        self._step_losses, self._step_skipped, self._gradients_pending = losses, skipped, False
+        for leaf in self.stack.params.values():
+            leaf.grad = None
+        try:
+            result = self._backing_off(closure)
+        except Exception as again:
+            self.engine.after_rerun(failure, again)
+            raise
+        self.engine.after_rerun(failure, None)
+        return result
+
+    def _backing_off(self, closure: Callable[[], Any]) -> Any:
         """Lightning's closure: the replicas' ``training_step`` and backward. Where k may change (one process,
         no routing, no gradients accumulated for this k), an out-of-memory error in either undoes the attempt
         (the replicas' buffers, the step's losses, its logs) and runs the closure again with one replica fewer

@@ -475,6 +475,53 @@ def test_the_steps_own_error_under_auto_is_raised_without_a_fallback_warning() -
     assert not [w for w in caught if "cannot run fused" in str(w.message)]
 
 
+class _CheckpointsActivations(Classifier):
+    """Non-reentrant activation checkpointing around a block with BatchNorm; dropout after it: a step that fails in
+    its fused backward must leave the replicas' statistics and the random draws as the sequential run finds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.head = nn.Sequential(nn.Dropout(0.3), nn.Linear(8, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_a_step_whose_fused_backward_fails_runs_again_sequentially_under_auto() -> None:
+    """vmap runs the forward of non-reentrant activation checkpointing, and its backward fails: auto undoes the
+    step, warns once, and goes on sequentially, bitwise as engine='sequential' trains (statistics, dropout draws)."""
+    runs, warned = {}, {}
+    for engine in ("auto", "sequential"):
+        torch.manual_seed(0)
+        model = _CheckpointsActivations()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_epochs=2).fit(
+                model, loader(make_data(num_samples=64))
+            )
+        runs[engine] = model.state_dict()
+        warned[engine] = [str(w.message) for w in caught if "cannot run fused" in str(w.message)]
+    assert len(warned["auto"]) == 1 and "the training_step's backward cannot run fused" in warned["auto"][0]
+    assert not warned["sequential"]
+    for (name, a), b in zip(runs["auto"].items(), runs["sequential"].values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+class _RaisesAfterBackward(Classifier):
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == 1:
+            raise _RaisesItsOwnError.BadBatch("a gradient the user's own check refuses")
+
+
+def test_the_steps_own_error_after_a_fused_forward_is_raised_without_a_fallback_warning() -> None:
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="auto"), max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(_RaisesItsOwnError.BadBatch, match="refuses"):
+        warnings.simplefilter("always")
+        fit.fit(_RaisesAfterBackward(), loader(make_data(num_samples=64)))
+    assert not [w for w in caught if "cannot run fused" in str(w.message)]
+
+
 class _KeepsStepTensors(Classifier):
     """Lightning 2's idioms for a step's tensors: kept on the module in ``training_step``, read by a later hook
     (``where`` says how); and a count of the steps, which a fused attempt that is undone must not raise."""
