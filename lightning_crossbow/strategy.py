@@ -1193,6 +1193,7 @@ class CrossbowStrategy(DDPStrategy):
             if (
                 pending
                 or isinstance(error, torch.cuda.OutOfMemoryError)  # (not vmap's doing)
+                or self.lightning_module.trainer.fit_loop._skip_backward  # (the step ran sequentially, forwards only)
                 or not self.engine.fall_back_after_backward(self.stack, self._log_capture)
             ):
                 raise
