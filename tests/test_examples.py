@@ -36,13 +36,7 @@ def _build(*overrides: str):
 def test_every_crossbow_argument_is_a_key_under_strategy() -> None:
     cfg = _compose()
     crossbow_arguments = {
-        "replicas_per_device",
-        "algorithm",
-        "outer_lr",
-        "warmup_epochs",
-        "alpha",
-        "central_momentum",
-        "engine",
+        "replicas_per_device", "algorithm", "outer_lr", "warmup_epochs", "alpha", "central_momentum", "engine",
         "reset_on_lr_drop",
     }
     assert crossbow_arguments <= set(cfg.strategy)
@@ -50,13 +44,8 @@ def test_every_crossbow_argument_is_a_key_under_strategy() -> None:
 
 def test_overrides_reach_the_strategy_trainer_and_data() -> None:
     trainer, model, data = _build(
-        "strategy.replicas_per_device=3",
-        "strategy.algorithm=sma",
-        "strategy.alpha=0.1",
-        "data.batch_size=8",
-        "trainer.max_epochs=2",
-        "model=mlp",
-        "data=digits",
+        "strategy.replicas_per_device=3", "strategy.algorithm=sma", "strategy.alpha=0.1", "data.batch_size=8", "trainer.max_epochs=2",
+        "model=mlp", "data=digits",
     )
     assert isinstance(trainer.strategy, CrossbowStrategy)
     assert trainer.strategy.replicas_per_device == 3 and trainer.strategy.alpha == 0.1
@@ -89,13 +78,8 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_train_app_runs_end_to_end_and_prints_the_result_line(tmp_path: Path) -> None:
     result = _run(
-        str(ROOT / "examples" / "train.py"),
-        "trainer.max_epochs=1",
-        "data=digits",
-        "model=mlp",
-        "trainer.enable_progress_bar=false",
-        f"hydra.run.dir={tmp_path}",
-        cwd=tmp_path,
+        str(ROOT / "examples" / "train.py"), "trainer.max_epochs=1", "data=digits", "model=mlp",
+        "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RESULT test_acc=" in result.stdout and "replicas_per_device=4" in result.stdout
@@ -107,15 +91,8 @@ def test_train_app_runs_end_to_end_and_prints_the_result_line(tmp_path: Path) ->
 
 def test_multirun_collects_one_table(tmp_path: Path) -> None:
     result = _run(
-        str(ROOT / "examples" / "train.py"),
-        "-m",
-        "strategy.replicas_per_device=1,2",
-        "trainer.max_epochs=1",
-        "data=digits",
-        "model=mlp",
-        "trainer.enable_progress_bar=false",
-        f"hydra.sweep.dir={tmp_path}",
-        cwd=tmp_path,
+        str(ROOT / "examples" / "train.py"), "-m", "strategy.replicas_per_device=1,2", "trainer.max_epochs=1",
+        "data=digits", "model=mlp", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "results.md").read_text()
@@ -127,17 +104,8 @@ def test_drop_in_script_and_lightning_cli(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RESULT val_acc=" in result.stdout
     result = _run(
-        str(ROOT / "examples" / "drop_in.py"),
-        "fit",
-        "--trainer.strategy",
-        "crossbow",
-        "--trainer.max_epochs",
-        "1",
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        cwd=tmp_path,
+        str(ROOT / "examples" / "drop_in.py"), "fit", "--trainer.strategy", "crossbow", "--trainer.max_epochs", "1",
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "crossbow ReplicaAutoTuner (objective=throughput)" in result.stderr  # the CLI built crossbow, k tuned
