@@ -1197,7 +1197,9 @@ class CrossbowStrategy(DDPStrategy):
                 or not self.engine.fall_back_after_backward(self.stack, self._log_capture)
             ):
                 raise
-            failure = error
+            # (without its traceback, which would hold the failed attempt's frames and activations during the rerun)
+            failure = error.with_traceback(None)
+            failure.__context__ = failure.__cause__ = None
         self._step_losses, self._step_skipped, self._gradients_pending = losses, skipped, False
         for leaf in self.stack.params.values():
             leaf.grad = None
