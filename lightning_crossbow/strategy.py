@@ -1638,6 +1638,7 @@ class CrossbowStrategy(DDPStrategy):
             "optimizer": apply_to_collection(self.optimizers[0].state_dict(), Tensor, _cpu_copy),  # stacked
         }
         ranks = self._gather_to_rank_zero(local)  # only rank 0 writes checkpoints: the others hold their own alone
+        in_flight = self._batches_in_flight()
         return {
             "version": _CHECKPOINT_VERSION,
             "algorithm": self.algorithm,
@@ -1653,7 +1654,12 @@ class CrossbowStrategy(DDPStrategy):
                 else None
             ),
             # the batches of the last group counted there if its step has not ended (a save from an exception)
-            "batches_in_flight": self._batches_in_flight(),
+            "batches_in_flight": in_flight,
+            # the epoch's fractional validation checks done (_time_fractional_validation), that of a step that ended
+            # counted in: a resumed fit goes on from the next step, as plain Lightning does, skipping its check
+            "validation_checks_done": self._checks_done
+            if in_flight
+            else max(self._checks_done, self._checks_if_validated),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
             "world_size": self.world_size,
@@ -1697,6 +1703,8 @@ class CrossbowStrategy(DDPStrategy):
         else:
             drawn, trained = (progress.ready, progress.ready), (progress.processed, progress.processed)
         self._resumed_pass_counts, self._resumed_pass_trained = drawn, trained
+        self._checks_done = state.get("validation_checks_done", 0) if state is not None else 0
+        self._checks_if_validated = 0
         if self._fit_loader is not None and self.routing is None and not trainer.fit_loop._should_reload_train_dl:
             # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
             # iterator too, and Lightning will not load its position (nor does plain Lightning then). (A loader

@@ -227,6 +227,30 @@ def test_a_fractional_validation_interval_at_a_fixed_k_validates_as_often_as_pla
     assert [k * step for _, step in validations.runs] == validated_after_batches
 
 
+def test_a_mid_epoch_resume_goes_on_with_the_fractional_validation_checks_left(tmp_path: Path) -> None:
+    """10 batches at k=2, val_check_interval=0.3: validations after steps 2, 3 and 5. A checkpoint saved at a step's
+    end (before that step's validation) resumes at the next step, skipping that step's check as plain Lightning
+    does, and does the checks left where the uninterrupted fit does them, not one more."""
+
+    def fit(**kwargs: Any) -> list[int]:
+        validations = _RecordsValidation()
+        fit = trainer(
+            strategy=CrossbowStrategy(replicas_per_device=2),
+            val_check_interval=0.3,
+            callbacks=[validations, *kwargs.pop("callbacks", [])],
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,
+        )
+        data = ResumableLoader(make_data(num_samples=80), batch_size=8)
+        fit.fit(Classifier(), data, loader(make_data(num_samples=16, seed=1)), **kwargs)
+        return [step for _, step in validations.runs]
+
+    every_step = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    assert fit(callbacks=[every_step]) == [2, 3, 5]
+    for step, left in ((1, [2, 3, 5]), (2, [3, 5]), (3, [5]), (4, [5])):
+        assert fit(ckpt_path=tmp_path / f"step={step}.ckpt") == left, step
+
+
 def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
     change = ChangeReplicasAtBatch(at_step=2, new_k=4)  # batch 2 opens an accumulation window of 2
     fit = trainer(
