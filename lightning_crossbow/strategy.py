@@ -33,6 +33,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -248,6 +249,8 @@ class CrossbowStrategy(DDPStrategy):
         self.stack: Optional[ReplicaStack] = None
         self.engine: Optional[Engine] = None
         self._sequential_forwards: Optional[SequentialEngine] = None  # (see _forward_only_engine)
+        self._step_call: tuple[Any, ...] = ()  # the arguments of the last training_step
+        self._batch_starts_step = True  # whether that training_step's batch begins an optimizer step
         self._log_capture = LogCapture()
         self._step_losses: Optional[Tensor] = None
         self._step_skipped: Optional[Tensor] = None  # replicas whose training_step returned None this step
@@ -797,6 +800,8 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.stack is not None and self.engine is not None
+        self._step_call = args  # (for a sequential run of the same batch: see backward)
+        self._batch_starts_step = not self._gradients_pending
         batches, rest = args[0], args[1:]
         if batches is self._group and self._group_cut is not None:  # run again after an out-of-memory back-off
             batches = batches[: self._group_cut]
@@ -833,6 +838,53 @@ class CrossbowStrategy(DDPStrategy):
             return sum(leaf.sum() for leaf in self.stack.params.values()) * 0.0
         loss = _reported_as_mean(output.total, losses, output.skipped)
         return {"loss": loss, **output.extras} if output.returned_dict else loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward. A batch that ran fused under ``engine="auto"`` and whose backward then fails inside
+        autograd (``vmap``'s rules for the backward: non-reentrant activation checkpointing, say) runs again
+        sequentially, as one that fails in the forward does
+        (:meth:`~lightning_crossbow.engines.Engine.fall_back_after_backward`): at an optimizer step's first batch
+        (no gradients accumulated, which the failed backward may have added to), its losses and logs dropped and
+        its gradients cleared, its ``training_step`` run again and its backward (``on_before_backward`` runs once
+        more). An error raised outside autograd (a hook's), or that the sequential run raises as well, is raised,
+        without the fallback's warning."""
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - the engine says whether it may run the batch again
+            if not self._may_run_again_sequentially(error):
+                raise
+            # (without its traceback, which would hold the failed attempt's frames and activations during the rerun)
+            failure = error.with_traceback(None)
+            failure.__context__ = failure.__cause__ = None
+        assert self.stack is not None and self.engine is not None
+        self._step_losses = self._step_skipped = None
+        self._gradients_pending = False
+        for leaf in self.stack.params.values():
+            leaf.grad = None
+        try:
+            output = self.training_step(*self._step_call)
+            # (its loss as Lightning's closure makes it: divided by accumulate_grad_batches)
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            loss = ClosureResult.from_training_step_output(output, accumulate).closure_loss
+            result = closure_loss if loss is None else super().backward(loss, optimizer, *args, **kwargs)
+        except Exception as again:
+            self.engine.after_rerun(failure, again)
+            raise
+        self.engine.after_rerun(failure, None)
+        return result
+
+    def _may_run_again_sequentially(self, error: BaseException) -> bool:
+        """Whether the batch whose backward raised ``error`` may run again sequentially (see :meth:`backward`); if
+        so, the engine has undone its fused forward."""
+        assert self.stack is not None and self.engine is not None
+        return (
+            self._batch_starts_step
+            and not isinstance(error, torch.cuda.OutOfMemoryError)  # (not vmap's doing)
+            and not self.lightning_module.trainer.fit_loop._skip_backward  # (forwards only, run sequentially)
+            and _raised_inside_autograd(error)
+            and self.engine.fall_back_after_backward(self.stack, self._log_capture)
+        )
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -1178,40 +1230,6 @@ class CrossbowStrategy(DDPStrategy):
         return output
 
     def _forward_backward(self, closure: Callable[[], Any]) -> Any:
-        """Lightning's closure (the replicas' ``training_step`` and backward, :meth:`_backing_off`). A step that ran
-        fused under ``engine="auto"`` and failed after its forward, in the backward that ``vmap``'s rules give it
-        (activation checkpointing, say), runs again sequentially, as one that fails in the forward does
-        (:meth:`~lightning_crossbow.engines.Engine.fall_back_after_backward`): at a step's first batch (no
-        gradients accumulated, which a failed backward may have added to), with the step's losses and logs
-        dropped and its gradients cleared. An error that the sequential run raises as well is raised, without the
-        fallback's warning (the step's own: auto stays fused)."""
-        assert self.stack is not None and self.engine is not None
-        pending, losses, skipped = self._gradients_pending, self._step_losses, self._step_skipped
-        try:
-            return self._backing_off(closure)
-        except Exception as error:  # noqa: BLE001 - the engine says whether it may run the step again
-            if (
-                pending
-                or isinstance(error, torch.cuda.OutOfMemoryError)  # (not vmap's doing)
-                or self.lightning_module.trainer.fit_loop._skip_backward  # (the step ran sequentially, forwards only)
-                or not self.engine.fall_back_after_backward(self.stack, self._log_capture)
-            ):
-                raise
-            # (without its traceback, which would hold the failed attempt's frames and activations during the rerun)
-            failure = error.with_traceback(None)
-            failure.__context__ = failure.__cause__ = None
-        self._step_losses, self._step_skipped, self._gradients_pending = losses, skipped, False
-        for leaf in self.stack.params.values():
-            leaf.grad = None
-        try:
-            result = self._backing_off(closure)
-        except Exception as again:
-            self.engine.after_rerun(failure, again)
-            raise
-        self.engine.after_rerun(failure, None)
-        return result
-
-    def _backing_off(self, closure: Callable[[], Any]) -> Any:
         """Lightning's closure: the replicas' ``training_step`` and backward. Where k may change (one process,
         no routing, no gradients accumulated for this k), an out-of-memory error in either undoes the attempt
         (the replicas' buffers, the step's losses, its logs) and runs the closure again with one replica fewer
@@ -1875,6 +1893,19 @@ class CrossbowStrategy(DDPStrategy):
 
 
 _TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def _raised_inside_autograd(error: BaseException) -> bool:
+    """Whether ``error`` was raised while ``torch.autograd.backward`` ran (not in a hook before or after it)."""
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code is _AUTOGRAD_BACKWARD:
+            return True
+        frame = frame.tb_next
+    return False
+
+
+_AUTOGRAD_BACKWARD = torch.autograd.backward.__code__
 
 
 def _moved_tensors(batch: Union[tuple[Tensor, ...], list[Tensor]], device: torch.device) -> Any:

@@ -488,18 +488,22 @@ class _CheckpointsActivations(Classifier):
         return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
 
 
-def test_a_step_whose_fused_backward_fails_runs_again_sequentially_under_auto() -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_step_whose_fused_backward_fails_runs_again_sequentially_under_auto(accumulate: int) -> None:
     """vmap runs the forward of non-reentrant activation checkpointing, and its backward fails: auto undoes the
-    step, warns once, and goes on sequentially, bitwise as engine='sequential' trains (statistics, dropout draws)."""
+    step, warns once, and goes on sequentially, bitwise as engine='sequential' trains (statistics, dropout draws),
+    also where the batch only accumulates (Lightning runs it outside the optimizer step)."""
     runs, warned = {}, {}
     for engine in ("auto", "sequential"):
         torch.manual_seed(0)
         model = _CheckpointsActivations()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_epochs=2).fit(
-                model, loader(make_data(num_samples=64))
-            )
+            trainer(
+                strategy=CrossbowStrategy(replicas_per_device=2, engine=engine),
+                max_epochs=2,
+                accumulate_grad_batches=accumulate,
+            ).fit(model, loader(make_data(num_samples=64)))
         runs[engine] = model.state_dict()
         warned[engine] = [str(w.message) for w in caught if "cannot run fused" in str(w.message)]
     assert len(warned["auto"]) == 1 and "the training_step's backward cannot run fused" in warned["auto"][0]
@@ -508,17 +512,32 @@ def test_a_step_whose_fused_backward_fails_runs_again_sequentially_under_auto() 
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-class _RaisesAfterBackward(Classifier):
-    def on_after_backward(self) -> None:
-        if self.trainer.global_step == 1:
+class _RaisesAroundBackwardOnce(Classifier):
+    """Raises once, at step 1, in ``on_before_backward`` or ``on_after_backward``."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__()
+        self.hook, self.raised = hook, False
+
+    def _check(self, hook: str) -> None:
+        if hook == self.hook and self.trainer.global_step == 1 and not self.raised:
+            self.raised = True
             raise _RaisesItsOwnError.BadBatch("a gradient the user's own check refuses")
 
+    def on_before_backward(self, loss: Tensor) -> None:
+        self._check("on_before_backward")
 
-def test_the_steps_own_error_after_a_fused_forward_is_raised_without_a_fallback_warning() -> None:
+    def on_after_backward(self) -> None:
+        self._check("on_after_backward")
+
+
+@pytest.mark.parametrize("hook", ["on_before_backward", "on_after_backward"])
+def test_an_error_in_a_hook_around_a_fused_backward_is_raised_without_a_fallback_warning(hook: str) -> None:
+    """Raised outside autograd, it is the step's own, even raised once only (a sequential run would not raise it)."""
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="auto"), max_epochs=1)
     with warnings.catch_warnings(record=True) as caught, pytest.raises(_RaisesItsOwnError.BadBatch, match="refuses"):
         warnings.simplefilter("always")
-        fit.fit(_RaisesAfterBackward(), loader(make_data(num_samples=64)))
+        fit.fit(_RaisesAroundBackwardOnce(hook), loader(make_data(num_samples=64)))
     assert not [w for w in caught if "cannot run fused" in str(w.message)]
 
 
