@@ -963,12 +963,14 @@ class CrossbowStrategy(DDPStrategy):
 
     def _times_validation_by_batches(self, trainer: "pl.Trainer") -> bool:
         """Whether a fractional ``val_check_interval`` (and ``limit_train_batches``) is timed by the loader's batches
-        (see :meth:`_time_fractional_validation`): below 1, or in an epoch whose k changed (Lightning's count of steps
-        then fits no single k). (At a fixed k, a fraction of the epoch's steps is not one of its batches: 0.3 of 5
-        steps of 2 batches is every step, where plain Lightning validates every 3 batches.)"""
+        (see :meth:`_time_fractional_validation`): below 1 at k > 1, or in an epoch whose k changed (Lightning's
+        count of steps then fits no single k). (At a fixed k > 1, a fraction of the epoch's steps is not one of its
+        batches: 0.3 of 5 steps of 2 batches is every step, where plain Lightning validates every 3 batches. At k=1
+        Lightning's count is plain Lightning's, resumes included.)"""
+        assert self.stack is not None
         return (
             isinstance(trainer.val_check_interval, float)
-            and (self._k_changed_in_epoch or trainer.val_check_interval < 1.0)
+            and (self._k_changed_in_epoch or (trainer.val_check_interval < 1.0 and self.stack.num_replicas > 1))
             and isinstance(self._train_limit(trainer), float)
             and self.routing is None
             and self._grouped is not None

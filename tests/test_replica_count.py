@@ -251,6 +251,45 @@ def test_a_mid_epoch_resume_goes_on_with_the_fractional_validation_checks_left(t
         assert fit(ckpt_path=tmp_path / f"step={step}.ckpt") == left, step
 
 
+class _RaisesAtStep(Classifier):
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.trainer.global_step == self.at:
+            raise RuntimeError("a step that fails")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("at", [0, 3, 7])
+def test_at_one_replica_a_resume_from_an_exception_validates_as_plain_lightning(tmp_path: Path, at: int) -> None:
+    """val_check_interval=0.5 over 10 batches, a loader that saves its place, an exception checkpoint at step ``at``:
+    at k=1 the resumed fit validates where plain Lightning's does (Lightning's own count of steps)."""
+    validated = {}
+    for name in ("plain", "crossbow"):
+        path = tmp_path / name
+
+        def fit(model: Classifier, **kwargs: Any) -> list[tuple[int, int]]:
+            validations = _RecordsValidation()
+            fit = trainer(
+                strategy="auto" if name == "plain" else CrossbowStrategy(replicas_per_device=1),
+                max_epochs=2,
+                val_check_interval=0.5,
+                callbacks=[validations, OnExceptionCheckpoint(dirpath=path, filename="exception")],
+                enable_checkpointing=True,
+                default_root_dir=path,
+            )
+            data = ResumableLoader(make_data(num_samples=80), batch_size=8)
+            fit.fit(model, data, loader(make_data(num_samples=16, seed=1)), **kwargs)
+            return validations.runs
+
+        with pytest.raises(RuntimeError, match="a step that fails"):
+            fit(_RaisesAtStep(at))
+        validated[name] = fit(_RaisesAtStep(-1), ckpt_path=path / "exception.ckpt")
+    assert validated["crossbow"] == validated["plain"]
+
+
 def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
     change = ChangeReplicasAtBatch(at_step=2, new_k=4)  # batch 2 opens an accumulation window of 2
     fit = trainer(
