@@ -89,10 +89,18 @@ class LogCapture:
         """Drops what was captured (the logs of an attempt that failed: a fused step, an out-of-memory step)."""
         self._logged.clear()
 
-    def replay(self, module: Any) -> None:
-        """Logs every captured name once through the real ``module.log``; clears the capture."""
+    def replay(self, module: Any, num_replicas: int = 1, batch_size: Callable[[], int] = lambda: 1) -> None:
+        """Logs every captured name once through the real ``module.log``; clears the capture. A mean that fewer
+        than ``num_replicas`` replicas logged (the others skipped the step first) weighs in Lightning's epoch mean
+        by the replicas that did: its ``batch_size`` (the one given, else one replica's, from ``batch_size()``)
+        times their share, as plain Lightning weighs each batch that logs."""
         for name, logged in self._logged.items():
-            module.log(name, _reduced_over_replicas(logged), **logged.kwargs)
+            kwargs = logged.kwargs
+            logged_by = len(logged.per_replica) + num_replicas * len(logged.stacked)
+            if logged_by < num_replicas and over_replicas(kwargs.get("reduce_fx", "mean")) is _OVER_REPLICAS["mean"]:
+                share = (kwargs.get("batch_size") or batch_size()) * logged_by / num_replicas
+                kwargs = {**kwargs, "batch_size": share}
+            module.log(name, _reduced_over_replicas(logged), **kwargs)
         self._logged.clear()
 
 

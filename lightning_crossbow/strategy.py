@@ -38,7 +38,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -898,8 +898,9 @@ class CrossbowStrategy(DDPStrategy):
         """Logs what the replicas logged (their mean), once the step's backward has run: a step that runs out of
         memory in its backward and runs again with fewer replicas logs once. Hooks that run inside the backward
         read the previous step's values in ``trainer.callback_metrics``."""
+        assert self.stack is not None
         with self._logging_as_training_step() as module:
-            self._log_capture.replay(module)
+            self._log_capture.replay(module, self.stack.num_replicas, lambda: extract_batch_size(self._group))
 
     @contextmanager
     def _logging_as_training_step(self) -> Iterator["pl.LightningModule"]:

@@ -504,6 +504,38 @@ def test_epoch_sums_maxima_and_minima_are_over_every_batch_as_in_plain_lightning
     assert metrics["crossbow"]["x_mean"] == pytest.approx(metrics["plain"]["x_mean"], rel=1e-6)
 
 
+class _SkipsSomeBatchesBeforeLogging(Classifier):
+    """Skips (returns None, logging nothing) the batches whose first input is above 0.5; logs the others' mean."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
+        x, y = batch
+        if bool(x[0, 0] > 0.5):
+            return None
+        self.log("x_mean", x.mean(), on_step=False, on_epoch=True)
+        return nn.functional.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_an_epoch_mean_weighs_a_step_by_the_replicas_that_logged_it(k: int) -> None:
+    """Where some replicas skip a step before logging, the step's mean counts for the batches that logged: the
+    epoch mean is plain Lightning's mean over every batch that logged."""
+    dataset = make_data(num_samples=64)
+    x, _ = dataset.tensors
+    batches = x.split(8)
+    logged = [batch.mean() for batch in batches if not bool(batch[0, 0] > 0.5)]
+    assert 0 < len(logged) < len(batches)  # (some batches skip, some log)
+    means = {}
+    for name, strategy in (
+        ("plain", "auto"),
+        ("crossbow", CrossbowStrategy(replicas_per_device=k, engine="sequential")),
+    ):
+        fit = trainer(strategy=strategy)
+        fit.fit(_SkipsSomeBatchesBeforeLogging(), loader(dataset))
+        means[name] = float(fit.callback_metrics["x_mean"])
+    assert means["plain"] == pytest.approx(float(torch.stack(logged).mean()), rel=1e-6)
+    assert means["crossbow"] == pytest.approx(means["plain"], rel=1e-6)
+
+
 class _SkipsEveryThirdBatch(Classifier):
     """Logs per-batch epoch aggregates, and skips (returns None from) every third batch."""
 
