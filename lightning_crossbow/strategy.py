@@ -1172,7 +1172,7 @@ class CrossbowStrategy(DDPStrategy):
         output = self._local_step(optimizer, closure, model, **kwargs)
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
-        if self._nothing_to_step():  # (Lightning skipped the backward): as if every replica skipped
+        if self._nothing_to_step():  # (no gradient at all, as where Lightning skips the backward): all skipped
             skipped = torch.ones(self.stack.num_replicas, dtype=torch.bool, device=self.root_device)
         if skipped is not None and self.world_size == 1 and diverged is None and bool(skipped.all()):
             # Every learner skipped: nothing moves (not z, nor its momentum), but the forwards moved the replicas'
