@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -89,18 +89,21 @@ class LogCapture:
         """Drops what was captured (the logs of an attempt that failed: a fused step, an out-of-memory step)."""
         self._logged.clear()
 
-    def replay(self, module: Any, num_replicas: int = 1, batch_size: Callable[[], int] = lambda: 1) -> None:
-        """Logs every captured name once through the real ``module.log``; clears the capture. A mean that fewer
-        than ``num_replicas`` replicas logged (the others skipped the step first) weighs in Lightning's epoch mean
-        by the replicas that did: its ``batch_size`` (the one given, else one replica's, from ``batch_size()``)
-        times their share, as plain Lightning weighs each batch that logs."""
+    def replay(self, module: Any, batch_size: Callable[[], int] = lambda: 1) -> None:
+        """Logs every captured name once through the real ``module.log``; clears the capture. A mean weighs in
+        Lightning's epoch mean by the batches that logged it, as in plain Lightning: its ``batch_size`` (the one
+        given, else one replica's, from ``batch_size()``) times the number of replica values it averages (fewer
+        than k where replicas skipped the step before logging). Always an integer, so that every process's
+        running count keeps one dtype for ``sync_dist``."""
+        one_batch: Optional[int] = None
         for name, logged in self._logged.items():
-            kwargs = logged.kwargs
-            logged_by = len(logged.per_replica) + num_replicas * len(logged.stacked)
-            if logged_by < num_replicas and over_replicas(kwargs.get("reduce_fx", "mean")) is _OVER_REPLICAS["mean"]:
-                share = (kwargs.get("batch_size") or batch_size()) * logged_by / num_replicas
-                kwargs = {**kwargs, "batch_size": share}
-            module.log(name, _reduced_over_replicas(logged), **kwargs)
+            value, kwargs = _reduced_over_replicas(logged), logged.kwargs
+            if not isinstance(value, Metric) and over_replicas(kwargs.get("reduce_fx", "mean")) is _MEAN:
+                if kwargs.get("batch_size") is None and one_batch is None:
+                    one_batch = batch_size()
+                values = len(logged.per_replica) + sum(len(rows) for rows in logged.stacked)
+                kwargs = {**kwargs, "batch_size": int(kwargs.get("batch_size") or one_batch) * values}
+            module.log(name, value, **kwargs)
         self._logged.clear()
 
 
@@ -118,6 +121,7 @@ _OVER_REPLICAS: dict[str, Callable[[Tensor], Tensor]] = {
     "max": lambda values: values.amax(0),
     "min": lambda values: values.amin(0),
 }
+_MEAN = _OVER_REPLICAS["mean"]
 
 
 def _reduced_over_replicas(logged: _Logged) -> Any:

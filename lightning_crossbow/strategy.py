@@ -898,9 +898,8 @@ class CrossbowStrategy(DDPStrategy):
         """Logs what the replicas logged (their mean), once the step's backward has run: a step that runs out of
         memory in its backward and runs again with fewer replicas logs once. Hooks that run inside the backward
         read the previous step's values in ``trainer.callback_metrics``."""
-        assert self.stack is not None
         with self._logging_as_training_step() as module:
-            self._log_capture.replay(module, self.stack.num_replicas, lambda: extract_batch_size(self._group))
+            self._log_capture.replay(module, lambda: extract_batch_size(self._group))
 
     @contextmanager
     def _logging_as_training_step(self) -> Iterator["pl.LightningModule"]:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup
 from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialEngine, _stack_batches
+from lightning_crossbow.log_capture import LogCapture
 from tests.helpers import (
     Classifier,
     ReplicaSnapshot,
@@ -534,6 +535,31 @@ def test_an_epoch_mean_weighs_a_step_by_the_replicas_that_logged_it(k: int) -> N
         means[name] = float(fit.callback_metrics["x_mean"])
     assert means["plain"] == pytest.approx(float(torch.stack(logged).mean()), rel=1e-6)
     assert means["crossbow"] == pytest.approx(means["plain"], rel=1e-6)
+
+
+def test_a_replayed_mean_weighs_by_the_replica_values_it_averages_with_an_integer_batch_size() -> None:
+    """Every process's running count of a mean keeps Lightning's integer dtype (a float on one process alone would
+    break ``sync_dist``'s all-reduce of it), whether all k replicas logged or fewer."""
+    logged: list[tuple[str, Any, dict[str, Any]]] = []
+
+    class Recorder(nn.Module):
+        def log(self, name: str, value: Any, **kwargs: Any) -> None:
+            logged.append((name, value, kwargs))
+
+    module, capture = Recorder(), LogCapture()
+    for replica in range(3):  # three replicas log "all"; two of them "some", one with its own batch_size
+        with capture.recording(module) as calls:
+            module.log("all", torch.tensor(float(replica)))
+            if replica < 2:
+                module.log("some", torch.tensor(1.0), batch_size=5)
+            module.log("total", torch.tensor(1.0), reduce_fx="sum")
+        capture.add(calls)
+    capture.replay(module, batch_size=lambda: 4)
+    by_name = {name: (value, kwargs) for name, value, kwargs in logged}
+    assert by_name["all"][1]["batch_size"] == 12 and type(by_name["all"][1]["batch_size"]) is int
+    assert float(by_name["all"][0]) == 1.0
+    assert by_name["some"][1]["batch_size"] == 10 and type(by_name["some"][1]["batch_size"]) is int
+    assert "batch_size" not in by_name["total"][1] and float(by_name["total"][0]) == 3.0
 
 
 class _SkipsEveryThirdBatch(Classifier):
