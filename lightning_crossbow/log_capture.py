@@ -90,15 +90,20 @@ class LogCapture:
         self._logged.clear()
 
     def replay(self, module: Any, batch_size: Callable[[], int] = lambda: 1) -> None:
-        """Logs every captured name once through the real ``module.log``; clears the capture. A mean weighs in
-        Lightning's epoch mean by the batches that logged it, as in plain Lightning: its ``batch_size`` (the one
-        given, else one replica's, from ``batch_size()``) times the number of replica values it averages (fewer
-        than k where replicas skipped the step before logging). Always an integer, so that every process's
-        running count keeps one dtype for ``sync_dist``."""
+        """Logs every captured name once through the real ``module.log``; clears the capture. A mean logged for
+        the epoch (``on_epoch=True``; ``training_step``'s default is on step only) weighs in Lightning's epoch mean
+        by the batches that logged it, as in plain Lightning: its ``batch_size`` (the one given, else one
+        replica's, from ``batch_size()``) times the number of replica values it averages (fewer than k where
+        replicas skipped the step before logging). Always an integer, so that every process's running count keeps
+        one dtype for ``sync_dist``."""
         one_batch: Optional[int] = None
         for name, logged in self._logged.items():
             value, kwargs = _reduced_over_replicas(logged), logged.kwargs
-            if not isinstance(value, Metric) and over_replicas(kwargs.get("reduce_fx", "mean")) is _MEAN:
+            if (
+                kwargs.get("on_epoch")
+                and not isinstance(value, Metric)
+                and over_replicas(kwargs.get("reduce_fx", "mean")) is _MEAN
+            ):
                 if kwargs.get("batch_size") is None and one_batch is None:
                     one_batch = batch_size()
                 values = len(logged.per_replica) + sum(len(rows) for rows in logged.stacked)

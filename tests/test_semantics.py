@@ -549,10 +549,11 @@ def test_a_replayed_mean_weighs_by_the_replica_values_it_averages_with_an_intege
     module, capture = Recorder(), LogCapture()
     for replica in range(3):  # three replicas log "all"; two of them "some", one with its own batch_size
         with capture.recording(module) as calls:
-            module.log("all", torch.tensor(float(replica)))
+            module.log("all", torch.tensor(float(replica)), on_epoch=True)
             if replica < 2:
-                module.log("some", torch.tensor(1.0), batch_size=5)
-            module.log("total", torch.tensor(1.0), reduce_fx="sum")
+                module.log("some", torch.tensor(1.0), batch_size=5, on_epoch=True)
+            module.log("total", torch.tensor(1.0), reduce_fx="sum", on_epoch=True)
+            module.log("step_only", torch.tensor(1.0))
         capture.add(calls)
     capture.replay(module, batch_size=lambda: 4)
     by_name = {name: (value, kwargs) for name, value, kwargs in logged}
@@ -560,6 +561,7 @@ def test_a_replayed_mean_weighs_by_the_replica_values_it_averages_with_an_intege
     assert float(by_name["all"][0]) == 1.0
     assert by_name["some"][1]["batch_size"] == 10 and type(by_name["some"][1]["batch_size"]) is int
     assert "batch_size" not in by_name["total"][1] and float(by_name["total"][0]) == 3.0
+    assert "batch_size" not in by_name["step_only"][1]  # (no epoch mean: Lightning infers nothing for it either)
 
 
 class _SkipsEveryThirdBatch(Classifier):
