@@ -160,9 +160,9 @@ class Engine(ABC):
         return False
 
     def fall_back_after_backward(self, stack: ReplicaStack, capture: LogCapture) -> bool:
-        """Called when the step's backward (or a hook around it) raised after its forward ran: an engine that ran
-        the step fused and may fall back undoes what the forward did and runs sequentially from now on (True: the
-        caller runs the step again); False otherwise (the error stands)."""
+        """Called when the step's backward raised inside autograd after its forward ran: an engine that ran the step
+        fused and may fall back undoes what the forward did and runs sequentially from now on (True: the caller runs
+        the step again); False otherwise (the error stands)."""
         return False
 
     def after_rerun(self, error: BaseException, again: Optional[BaseException]) -> None:
