@@ -236,7 +236,7 @@ class SequentialEngine(Engine):
             replaced: dict[str, Tensor] = {}
             with self._replica_context(index), capture.recording(self.module) as calls:
                 outputs.append(self._training_step(params, buffers, batch, args, replaced))
-            capture.add(calls)
+            capture.add(calls, batch)
             self._replaced.append((buffers, replaced))
         return outputs
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 from torchmetrics import Metric
 
@@ -39,6 +40,7 @@ class _Logged:
     per_replica: list[Any] = field(default_factory=list)
     stacked: list[Tensor] = field(default_factory=list)
     step_values: list[Any] = field(default_factory=list)  # a Metric's, one per replica
+    batches: list[Any] = field(default_factory=list)  # the batch of each per_replica value (None: not known)
 
 
 class LogCapture:
@@ -67,12 +69,13 @@ class LogCapture:
         finally:
             del module.__dict__["log"], module.__dict__["log_dict"]
 
-    def add(self, calls: list[LogCall]) -> None:
-        """Adds the calls of one replica."""
+    def add(self, calls: list[LogCall], batch: Any = None) -> None:
+        """Adds the calls of one replica, which ran on ``batch``."""
         for call in calls:
             logged = self._logged.setdefault(call.name, _Logged(call.kwargs))
             logged.per_replica.append(call.value)
             logged.step_values.append(call.step_value)
+            logged.batches.append(batch)
 
     def add_stacked(self, calls: list[LogCall], stacked_values: list[Tensor], num_replicas: int) -> None:
         """Adds the calls of a fused step of ``num_replicas`` replicas: tensor values come stacked, shape
@@ -84,6 +87,7 @@ class LogCapture:
                 logged.stacked.append(next(tensors))
             else:
                 logged.per_replica.extend([call.value] * num_replicas)
+                logged.batches.extend([None] * num_replicas)
 
     def clear(self) -> None:
         """Drops what was captured (the logs of an attempt that failed: a fused step, an out-of-memory step)."""
@@ -97,6 +101,7 @@ class LogCapture:
         replicas skipped the step before logging). Always an integer, so that every process's running count keeps
         one dtype for ``sync_dist``."""
         one_batch: Optional[int] = None
+        sizes_of: dict[int, int] = {}  # (each batch's size, inferred once)
         for name, logged in self._logged.items():
             value, kwargs = _reduced_over_replicas(logged), logged.kwargs
             if (
@@ -104,10 +109,15 @@ class LogCapture:
                 and not isinstance(value, Metric)
                 and over_replicas(kwargs.get("reduce_fx", "mean")) is _MEAN
             ):
-                if kwargs.get("batch_size") is None and one_batch is None:
-                    one_batch = batch_size()
-                values = len(logged.per_replica) + sum(len(rows) for rows in logged.stacked)
-                kwargs = {**kwargs, "batch_size": int(kwargs.get("batch_size") or one_batch) * values}
+                sizes = _uneven_batch_sizes(logged, sizes_of) if kwargs.get("batch_size") is None else None
+                if sizes is not None:  # (a group of batches of several sizes: each value weighs by its own)
+                    value, weight = _weighted_mean(logged.per_replica, sizes), sum(sizes)
+                else:
+                    if kwargs.get("batch_size") is None and one_batch is None:
+                        one_batch = batch_size()
+                    values = len(logged.per_replica) + sum(len(rows) for rows in logged.stacked)
+                    weight = int(kwargs.get("batch_size") or one_batch) * values
+                kwargs = {**kwargs, "batch_size": weight}
             module.log(name, value, **kwargs)
         self._logged.clear()
 
@@ -146,6 +156,29 @@ def _reduced_over_replicas(logged: _Logged) -> Any:
     rows += [v.detach().unsqueeze(0) for v in tensors]
     rows += [torch.tensor([float(v)]) for v in others]
     return reduce(torch.cat([r.to(rows[0].device).float() for r in rows]))
+
+
+def _uneven_batch_sizes(logged: _Logged, sizes_of: dict[int, int]) -> Optional[list[int]]:
+    """The batch size of each replica value of ``logged`` (Lightning's inference, batch by batch, kept in
+    ``sizes_of``) when they are not all one (a short batch in the group: the group ran replica by replica); None when
+    they are, or are not known."""
+    if logged.stacked or not logged.per_replica or any(batch is None for batch in logged.batches):
+        return None
+    sizes = []
+    for batch in logged.batches:
+        if id(batch) not in sizes_of:
+            sizes_of[id(batch)] = extract_batch_size(batch)
+        sizes.append(sizes_of[id(batch)])
+    return sizes if len(set(sizes)) > 1 else None
+
+
+def _weighted_mean(values: list[Any], weights: list[int]) -> Tensor:
+    """``sum_j w_j v_j / sum_j w_j`` over tensors and numbers: the mean over every sample of batches whose means are
+    ``values``, as plain Lightning's epoch mean weighs each batch by its size."""
+    device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
+    rows = torch.stack([torch.as_tensor(v, device=device).detach().float().reshape(()) for v in values])
+    weights_tensor = torch.tensor(weights, dtype=rows.dtype, device=device)
+    return (rows * weights_tensor).sum() / weights_tensor.sum()
 
 
 def _with_mean_step_value(metric: Metric, step_values: list[Any]) -> Metric:

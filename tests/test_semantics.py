@@ -537,6 +537,27 @@ def test_an_epoch_mean_weighs_a_step_by_the_replicas_that_logged_it(k: int) -> N
     assert means["crossbow"] == pytest.approx(means["plain"], rel=1e-6)
 
 
+class _LogsInputMean(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.log("x_mean", x.mean(), on_epoch=True)
+        return nn.functional.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_an_epoch_mean_weighs_each_batch_of_a_group_by_its_size_as_plain_lightning(engine: str) -> None:
+    """60 samples in batches of 8: the last of the 8 batches has 4, in the last group of k=2. Plain Lightning's
+    epoch mean weighs each batch by its size (the mean over every sample); so does crossbow's."""
+    dataset = make_data(num_samples=60)
+    means = {}
+    for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=2, engine=engine))):
+        fit = trainer(strategy=strategy)
+        fit.fit(_LogsInputMean(), loader(dataset))
+        means[name] = float(fit.callback_metrics["x_mean_epoch"])
+    assert means["plain"] == pytest.approx(float(dataset.tensors[0].mean()), rel=1e-5)
+    assert means["crossbow"] == pytest.approx(means["plain"], rel=1e-6)
+
+
 def test_a_replayed_mean_weighs_by_the_replica_values_it_averages_with_an_integer_batch_size() -> None:
     """Every process's running count of a mean keeps Lightning's integer dtype (a float on one process alone would
     break ``sync_dist``'s all-reduce of it), whether all k replicas logged or fewer."""
