@@ -766,17 +766,13 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
             return None
         for column, leaf in zip(columns, other_leaves):
             first = column[0]
-            if isinstance(first, Tensor):
-                if not (
-                    isinstance(leaf, Tensor)
-                    and leaf.shape == first.shape
-                    and leaf.dtype == first.dtype
-                    and leaf.device == first.device
-                ):
-                    return None
-            elif isinstance(leaf, Tensor) or not _same_value(leaf, first):
+            if isinstance(first, Tensor) != isinstance(leaf, Tensor):
+                return None
+            if not isinstance(first, Tensor) and not _same_value(leaf, first):
                 return None
             column.append(leaf)
+    if not all(_one_kind(column) for column in columns if isinstance(column[0], Tensor)):
+        return None
     stacked = [torch.stack(column) if isinstance(column[0], Tensor) else column[0] for column in columns]
     in_dims = [0 if isinstance(column[0], Tensor) else None for column in columns]
     return tree_unflatten(stacked, spec), tree_unflatten(in_dims, spec)
