@@ -7,7 +7,8 @@ resolved once), and returns the ``k`` losses. Backpropagating their SUM gives ea
 replica the gradient of its own loss, in the stack's ``.grad``.
 
 - :class:`FusedEngine`: one batched computation over the stack with ``torch.func.vmap``
-  (``randomness="different"``: dropout draws differ per replica); on CPU its ``nn.Conv1d`` layers run as one
+  (``randomness="different"``: dropout draws differ per replica; called through
+  :func:`~lightning_crossbow.lean_vmap.lean_vmap`); on CPU its ``nn.Conv1d`` layers run as one
   batched matrix product over the replicas, and ``F.cross_entropy``/``F.nll_loss`` as one call over them all
   (:mod:`~lightning_crossbow.fused_layers`); ``F.embedding`` takes a form that ``vmap`` gets right
   (:mod:`~lightning_crossbow.vmap_corrections`).
@@ -35,13 +36,13 @@ from typing import Any, ContextManager, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
 from lightning_crossbow.data import tensor_sequences
 from lightning_crossbow.fused_layers import fusable_layers, fused_layers, fuses_on
 from lightning_crossbow.kept_tensors import KeptTensors
+from lightning_crossbow.lean_vmap import lean_vmap
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack
 from lightning_crossbow.stateless import Reparametrizer
@@ -358,10 +359,9 @@ class FusedEngine(Engine):
         if self._wrong_layer:
             raise NotFusableError(f"{self._wrong_layer}; use engine='auto' or 'sequential'")
         self.ran_fused = False
-        stacked = _stack_batches(batches)
-        if stacked is None:
+        batch = _stack_batches(batches)
+        if batch is None:
             return self.sequential.run(stack, batches, args, capture)
-        batch, batch_dims = stacked
         device = _device_of(stack)
         self._warn_if_autocast(device)
         recorded: list[Any] = []
@@ -396,9 +396,9 @@ class FusedEngine(Engine):
         kept = KeptTensors(self.module)
         try:
             with fused_layers(self._fused_layers, losses=fuses_on(device)), corrected_under_vmap():
-                losses, extras, logged, replaced = vmap(
-                    one_replica, in_dims=(0, 0, batch_dims), randomness="different"
-                )(stack.params, stack.buffers, batch)
+                losses, extras, logged, replaced = lean_vmap(
+                    one_replica, stack.num_replicas, stack.params, stack.buffers, batch
+                )
             escaped = kept.escaped()
             if escaped is not None:
                 raise NotFusableError(
@@ -746,8 +746,8 @@ def _check_no_escaped_metric_state(metrics: Iterable[nn.Module]) -> None:
                     )
 
 
-def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
-    """One batch whose tensors are the ``k`` batches' tensors stacked on a new dim 0, and vmap's ``in_dims``.
+def _stack_batches(batches: Sequence[Any]) -> Optional[Any]:
+    """One batch whose tensors are the ``k`` batches' tensors stacked on a new dim 0 (its other values shared).
 
     ``None`` when the batches differ in structure, in a tensor's shape, dtype or device, or in a
     non-tensor value (:func:`_same_value`): such a group cannot be stacked.
@@ -757,7 +757,7 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
         if not all(_one_kind(column) for column in columns):
             return None
         kind = type(batches[0])
-        return kind(torch.stack(column) for column in columns), kind(0 for _ in columns)
+        return kind(torch.stack(column) for column in columns)
     leaves, spec = tree_flatten(batches[0])
     columns = [[leaf] for leaf in leaves]
     for other in batches[1:]:
@@ -774,8 +774,7 @@ def _stack_batches(batches: Sequence[Any]) -> Optional[tuple[Any, Any]]:
     if not all(_one_kind(column) for column in columns if isinstance(column[0], Tensor)):
         return None
     stacked = [torch.stack(column) if isinstance(column[0], Tensor) else column[0] for column in columns]
-    in_dims = [0 if isinstance(column[0], Tensor) else None for column in columns]
-    return tree_unflatten(stacked, spec), tree_unflatten(in_dims, spec)
+    return tree_unflatten(stacked, spec)
 
 
 def _one_kind(tensors: Sequence[Tensor]) -> bool:
