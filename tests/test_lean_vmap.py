@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Any
 
 import pytest
@@ -13,15 +14,16 @@ import lightning_crossbow.lean_vmap as lean
 from lightning_crossbow.lean_vmap import lean_vmap
 
 K = 3
+Pair = namedtuple("Pair", ["tensor", "note"])  # (a container that torch's pytree walks)
 
 
-def step(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: tuple[Tensor, str, None, list[Tensor]]) -> Any:
+def step(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: tuple[Any, ...]) -> Any:
     """A replica's work: a linear map with dropout, a buffer read, a constant output and nested outputs."""
-    x, tag, nothing, (y,) = batch
-    assert tag == "tag" and nothing is None and x.dim() == 2  # (per replica: the replicas' dim is gone)
+    x, tag, nothing, (y,), pair = batch
+    assert tag == "tag" and nothing is None and pair.note == "note" and x.dim() == 2  # (the replicas' dim is gone)
     hidden = F.dropout(x @ params["weight"].T + params["bias"], p=0.5, training=True)
-    loss = ((hidden - y) ** 2).mean() + buffers["scale"].sum()
-    return loss, {"hidden": hidden, "constant": torch.ones(2)}, [loss * 2]
+    loss = ((hidden - y) ** 2).mean() + buffers["scale"].sum() + pair.tensor.sum()
+    return loss, {"hidden": hidden, "constant": torch.ones(2)}, [Pair(loss * 2, torch.zeros(1))]
 
 
 def arguments(requires_grad: bool = False) -> tuple[Any, ...]:
@@ -31,12 +33,18 @@ def arguments(requires_grad: bool = False) -> tuple[Any, ...]:
         "bias": torch.randn(K, 4, generator=generator, requires_grad=requires_grad),
     }
     buffers = {"scale": torch.rand(K, 2, generator=generator)}
-    batch = (torch.randn(K, 6, 5, generator=generator), "tag", None, [torch.randn(K, 6, 4, generator=generator)])
+    batch = (
+        torch.randn(K, 6, 5, generator=generator),
+        "tag",
+        None,
+        [torch.randn(K, 6, 4, generator=generator)],
+        Pair(torch.randn(K, 2, generator=generator), "note"),
+    )
     return params, buffers, batch
 
 
 def torch_func_vmap(*args: Any) -> Any:
-    in_dims = ({"weight": 0, "bias": 0}, {"scale": 0}, (0, None, None, [0]))
+    in_dims = ({"weight": 0, "bias": 0}, {"scale": 0}, (0, None, None, [0], Pair(0, None)))
     return torch.func.vmap(step, in_dims=in_dims, randomness="different")(*args)
 
 
@@ -47,10 +55,11 @@ def test_values_random_draws_and_gradients_are_torch_func_vmaps(available: bool,
     for call in (torch_func_vmap, lambda *args: lean_vmap(step, K, *args)):
         params, buffers, batch = arguments(requires_grad=True)
         torch.manual_seed(1)
-        loss, extras, (twice,) = call(params, buffers, batch)
+        loss, extras, (pair,) = call(params, buffers, batch)
         gradients = torch.autograd.grad(loss.sum() + extras["hidden"].sum(), list(params.values()))
-        results.append((loss, extras["hidden"], extras["constant"], twice, *gradients))
-    assert results[1][2].shape == (K, 2)  # an output the replicas share comes back once per replica
+        assert type(pair) is Pair
+        results.append((loss, extras["hidden"], extras["constant"], *pair, *gradients))
+    assert results[1][2].shape == (K, 2) and results[1][4].shape == (K, 1)  # (shared outputs: one per replica)
     for expected, got in zip(*results):
         assert torch.equal(expected, got)
     assert not torch.equal(results[1][1][0], results[1][1][1])  # ("different": each replica its own dropout)
