@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
 from lightning_crossbow.fused_layers import fusable_layers, fused_layers  # noqa: E402
+from lightning_crossbow.lean_vmap import lean_vmap  # noqa: E402
 from lightning_crossbow.stateless import Reparametrizer  # noqa: E402
 
 
@@ -106,8 +107,8 @@ def kernel_samples_per_second(k: int, batch_size: int, steps: int, warmup: int, 
     """What PyTorch's kernels allow, outside Lightning and crossbow: samples/s of the bare forward, backward and SGD
     step (momentum 0.9) of the MNIST-1D CNN on random data. ``fused=False``: one model on batches of
     ``k * batch_size``; ``fused=True``: ``k`` models stacked and run under ``torch.func.vmap``, each on its own
-    ``batch_size``, as the fused engine runs them on CPU (its parameter swap, and its Conv1d layers and
-    cross-entropy fused, :mod:`lightning_crossbow.fused_layers`)."""
+    ``batch_size``, as the fused engine runs them on CPU (its parameter swap, its call of ``vmap``
+    (:mod:`lightning_crossbow.lean_vmap`), and its layers and cross-entropy fused, :mod:`lightning_crossbow.fused_layers`)."""
     torch.manual_seed(0)
     net = conv1d_net(40, 10)
     inputs, targets = torch.randn(k, batch_size, 40), torch.randint(0, 10, (k, batch_size))
@@ -124,7 +125,7 @@ def kernel_samples_per_second(k: int, batch_size: int, steps: int, warmup: int, 
 
         def losses() -> torch.Tensor:
             with fused_layers(layers, losses=True):
-                return torch.func.vmap(loss_of)(stacked, inputs, targets).sum()
+                return lean_vmap(loss_of, k, stacked, inputs, targets).sum()
     else:
         parameters = list(net.parameters())
         inputs, targets = inputs.reshape(k * batch_size, 40), targets.reshape(-1)
