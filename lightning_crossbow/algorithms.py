@@ -74,6 +74,8 @@ class StepContext:
     #: Numbers of this process (a float64 vector on the buckets' device) that the rule sums over processes *in
     #: place*, riding in its own all-reduce (:func:`all_reduce_riding`): the strategy's SIGTERM vote. None: none.
     riders: Optional[Tensor] = None
+    #: Whether this is the only process: its sums are the sums over processes, and nothing is all-reduced.
+    single_process: bool = False
 
 
 #: Optimizers that divide by a running gradient scale: for them the square-root rule applies.
@@ -117,34 +119,41 @@ def local_correction_sum(
     unset slots at its end, where other sums may ride along in the same all-reduce."""
     if dropped is not None:
         bucket.corrections[dropped] = 0.0
+    if weights is None and not spare:
+        return bucket.corrections.sum(0)
     out = bucket.corrections.new_empty(bucket.corrections.shape[1] + spare)
     head = out[: bucket.corrections.shape[1]]
     if weights is None:
         torch.sum(bucket.corrections, 0, out=head)
     else:
-        torch.mv(bucket.corrections.t(), weights, out=head)  # (matmul of a vector by a matrix resizes out=)
+        # (each bucket in its own dtype; matmul of a vector by a matrix would resize out=)
+        torch.mv(bucket.corrections.t(), weights.to(bucket.corrections.dtype), out=head)
     return out
 
 
-def riding_bucket(buckets: Sequence[FlatBucket], exact: bool) -> Optional[int]:
+def riding_bucket(buckets: Sequence[FlatBucket], exact: bool, context: StepContext) -> Optional[int]:
     """The bucket whose all-reduce small sums ride in. When they must stay exact, the first float32 or float64
     one (None if every bucket is 16-bit: bfloat16 rounds integers above 256). Otherwise the first bucket: sums
-    only compared with 0 (counts, votes) survive 16 bits, as non-negative numbers rounded never sum to 0."""
+    only compared with 0 (counts, votes) survive 16 bits, as non-negative numbers rounded never sum to 0. None on
+    a single process (:func:`all_reduce_riding` reduces nothing there)."""
+    if context.single_process:
+        return None
     if not exact:
         return 0
     return next((i for i, b in enumerate(buckets) if b.corrections.dtype in (torch.float32, torch.float64)), None)
 
 
-def all_reduce_riding(
-    local: list[Tensor], riders: Tensor, rider: Optional[int], all_reduce_sum: AllReduceSum
-) -> list[Tensor]:
-    """Sums every tensor of ``local`` over processes, and ``riders`` in place, in ``len(local)`` all-reduces.
+def all_reduce_riding(local: list[Tensor], riders: Tensor, rider: Optional[int], context: StepContext) -> list[Tensor]:
+    """Sums every tensor of ``local`` over processes, and ``riders`` in place, in ``len(local)`` all-reduces
+    (``context.all_reduce_sum``; on a single process, none: the sums are ``local`` and ``riders`` as they are).
 
     The riders travel in the last ``len(riders)`` slots of ``local[rider]``, which the caller left spare
     (:func:`local_correction_sum`'s ``spare``), so they add no synchronisation; with ``rider`` None they take an
     all-reduce of their own. Returns the sums without those slots.
     """
-    n = riders.numel()
+    if context.single_process:
+        return local
+    all_reduce_sum, n = context.all_reduce_sum, riders.numel()
     if rider is None:
         all_reduce_sum(riders)
     else:
@@ -246,14 +255,14 @@ class SMA(Averaging):
         buckets: Sequence[FlatBucket],
         context: StepContext,
     ) -> bool:
-        rider = riding_bucket(buckets, exact=False)
+        rider = riding_bucket(buckets, exact=False, context=context)
         riders = with_context_riders(context, learners_stepped(buckets, context.dropped))
         local = []
         for i, bucket in enumerate(buckets):
             spare = riders.numel() if i == rider else 0
             local.append(local_correction_sum(bucket, context.dropped, context.learner_weights, spare))
             apply_corrections_(bucket.replicas, bucket.corrections)  # (left-out rows: zeroed, so not moved)
-        sums = all_reduce_riding(local, riders, rider, context.all_reduce_sum)
+        sums = all_reduce_riding(local, riders, rider, context)
         if not anyone_stepped(own_riders(context, riders), context.dropped):
             return False
         for bucket, correction_sum in zip(buckets, sums):
@@ -372,7 +381,7 @@ class ScaledAveraging(Averaging):
         :meth:`_local_statistics`). One all-reduce per bucket: the riders go in one bucket's, with
         ``context.riders`` (:func:`all_reduce_riding`; the first float32 or float64 bucket when measuring)."""
         measuring = self._measuring(context)
-        rider, local = riding_bucket(buckets, exact=measuring), []
+        rider, local = riding_bucket(buckets, exact=measuring, context=context), []
         spare = (0 if context.riders is None else context.riders.numel()) + (2 if measuring else 1)
         for i, bucket in enumerate(buckets):
             torch.sub(bucket.replicas, bucket.center, out=bucket.corrections)  # d_j
@@ -385,7 +394,7 @@ class ScaledAveraging(Averaging):
             else learners_stepped(buckets, context.dropped)
         )
         riders = with_context_riders(context, own)
-        sums = all_reduce_riding(local, riders, rider, context.all_reduce_sum)
+        sums = all_reduce_riding(local, riders, rider, context)
         return sums, own_riders(context, riders)
 
     @override

@@ -1269,6 +1269,7 @@ class CrossbowStrategy(DDPStrategy):
             dropped=dropped,
             learner_weights=self._learner_weights(),
             riders=self._sigterm_vote.ballot(self.root_device) if self._sigterm_vote.installed else None,
+            single_process=self.world_size == 1,
         )
         with torch.no_grad(), self._averaging_stream():
             moved = self.averaging.after_local_step(self.stack.buckets, context)
@@ -1399,8 +1400,7 @@ class CrossbowStrategy(DDPStrategy):
         weights = self.routing.learner_weights(self._grouped.current_group)
         if weights is None:
             return None
-        assert self.stack is not None
-        return torch.tensor(weights, dtype=self.stack.buckets[0].replicas.dtype, device=self.root_device)
+        return torch.tensor(weights, dtype=torch.float64, device=self.root_device)  # (each bucket takes its dtype)
 
     def replica_room(self) -> int:
         """How many more replicas fit on every rank: each must fit twice over in the device's free memory (RAM on

@@ -420,3 +420,49 @@ def test_z_stays_when_every_learner_of_every_process_was_left_out(
     assert moved == another_process_stepped == reported
     assert torch.equal(buckets[0].center_prev, center if moved else center_prev)
     assert torch.equal(buckets[0].replicas, replicas)  # left-out learners take no correction
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16, torch.float64)])
+@pytest.mark.parametrize("left_out", ["none", "one", "all"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("algorithm", ["sma", "easgd", "scaled_averaging"])
+def test_a_single_process_moves_z_and_the_learners_as_an_all_reduce_over_one_process_does_and_calls_none(
+    algorithm: str, weighted: bool, left_out: str, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """``single_process``: the rule takes its sums as they are, without an all-reduce or riding slots; z, its
+    momentum, the learners, the rule's measured gain and what it reports end bitwise as through an all-reduce that
+    leaves every sum as it is (one process), learners left out and learner weights included."""
+    k = 3
+    dropped = {"none": None, "one": torch.tensor([False, True, False]), "all": torch.ones(k, dtype=torch.bool)}
+    runs = []
+    for single_process in (False, True):
+        rule = make_averaging(algorithm, None, 0.5 if algorithm != "easgd" else None, "adaptive", 0.0)
+        buckets, calls = _buckets(dtypes, k), []
+
+        def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+            calls.append(tensor.numel())
+            return tensor
+
+        for bucket in buckets:
+            bucket.center_prev.sub_(0.1)
+        reported = []
+        for step in range(2):  # (the second step's gain reads the first's measurement)
+            context = _context(
+                k,
+                all_reduce_sum,
+                step=step,
+                dropped=dropped[left_out],
+                learner_weights=torch.tensor([0.5, 1.5, 1.0]) if weighted else None,
+                single_process=single_process,
+            )
+            rule.before_local_step(buckets, k)
+            reported.append(rule.after_local_step(buckets, context))
+            for bucket in buckets:
+                bucket.replicas.add_(0.01 * (step + 1))
+        runs.append((buckets, calls, reported, rule.state_dict()))
+    (through, through_calls, through_reported, through_state), (alone, alone_calls, alone_reported, alone_state) = runs
+    assert through_calls and not alone_calls
+    assert alone_reported == through_reported and alone_state == through_state
+    for a, b in zip(through, alone, strict=True):
+        assert torch.equal(a.center, b.center) and torch.equal(a.center_prev, b.center_prev)
+        assert torch.equal(a.replicas, b.replicas)
