@@ -1,7 +1,8 @@
 """Hardware efficiency inside Lightning: samples/s of crossbow against plain Lightning, one process.
 
 Every configuration trains the MNIST-1D CNN (examples/models.py) on MNIST-1D-shaped data in the
-same process; configurations are interleaved and repeated, so ratios are measured side by side on
+same process (``--model lenet5``: LeNet-5, two-dimensional convolutions and pooling, on 28x28 images);
+configurations are interleaved and repeated, so ratios are measured side by side on
 this (shared, noisy) machine: each ratio is the median over repetitions of the ratio within one
 repetition (the two runs of a pair are seconds apart), next to the ratio of the medians.
 
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.models import Classifier, conv1d_net  # noqa: E402
+from examples.models import Classifier, conv1d_net, lenet5  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
 from lightning_crossbow.fused_layers import fusable_layers, fused_layers  # noqa: E402
 from lightning_crossbow.lean_vmap import lean_vmap  # noqa: E402
@@ -103,15 +104,25 @@ def samples_per_second(
     return timer.steps * k * batch_size / (timer.end - timer.start)
 
 
-def kernel_samples_per_second(k: int, batch_size: int, steps: int, warmup: int, fused: bool) -> float:
+#: ``--model``: the network and one sample's shape.
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...]]] = {
+    "mnist1d-cnn": (lambda: conv1d_net(40, 10), (40,)),
+    "lenet5": (lenet5, (1, 28, 28)),
+}
+
+
+def kernel_samples_per_second(
+    k: int, batch_size: int, steps: int, warmup: int, fused: bool, model: str = "mnist1d-cnn"
+) -> float:
     """What PyTorch's kernels allow, outside Lightning and crossbow: samples/s of the bare forward, backward and SGD
-    step (momentum 0.9) of the MNIST-1D CNN on random data. ``fused=False``: one model on batches of
+    step (momentum 0.9) of ``model`` (:data:`MODELS`) on random data. ``fused=False``: one model on batches of
     ``k * batch_size``; ``fused=True``: ``k`` models stacked and run under ``torch.func.vmap``, each on its own
     ``batch_size``, as the fused engine runs them on CPU (its parameter swap, its call of ``vmap``
     (:mod:`lightning_crossbow.lean_vmap`), and its layers and cross-entropy fused, :mod:`lightning_crossbow.fused_layers`)."""
     torch.manual_seed(0)
-    net = conv1d_net(40, 10)
-    inputs, targets = torch.randn(k, batch_size, 40), torch.randint(0, 10, (k, batch_size))
+    make_net, shape = MODELS[model]
+    net = make_net()
+    inputs, targets = torch.randn(k, batch_size, *shape), torch.randint(0, 10, (k, batch_size))
     if fused:
         stacked = {name: p.detach().expand(k, *p.shape).clone().requires_grad_() for name, p in net.named_parameters()}
         parameters = list(stacked.values())
@@ -128,7 +139,7 @@ def kernel_samples_per_second(k: int, batch_size: int, steps: int, warmup: int, 
                 return lean_vmap(loss_of, k, stacked, inputs, targets).sum()
     else:
         parameters = list(net.parameters())
-        inputs, targets = inputs.reshape(k * batch_size, 40), targets.reshape(-1)
+        inputs, targets = inputs.reshape(k * batch_size, *shape), targets.reshape(-1)
 
         def losses() -> torch.Tensor:
             return torch.nn.functional.cross_entropy(net(inputs), targets)
@@ -169,7 +180,7 @@ def save_result(path: Path, command: str, **fields: Any) -> None:
     path.write_text(json.dumps({"machine": machine(), "command": command, **fields}, indent=2))
 
 
-def configurations(per_replica_batch: int, k: int) -> dict[str, tuple[Any, int, int]]:
+def configurations(per_replica_batch: int, k: int) -> dict[str, tuple[Callable[[], Any], int, int]]:
     """name -> (strategy factory, replicas, batch size)."""
     return {
         f"crossbow k={k} fused b={per_replica_batch}": (
@@ -195,8 +206,12 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--repeats", type=int, help="repetitions (default 5, or 3 with --quick)")
     parser.add_argument("--steps", type=int, help="timed steps per run (default 80, or 40 with --quick)")
-    parser.add_argument("--out", type=Path, help="default: benchmarks/out/throughput.json (out/quick/ with --quick)")
+    parser.add_argument("--model", choices=list(MODELS), default="mnist1d-cnn")
+    parser.add_argument(
+        "--out", type=Path, help="default: benchmarks/out/throughput.json, throughput_<model>.json for another model"
+    )
     args = parser.parse_args()
+    net, shape = MODELS[args.model]
     repeats, steps, warmup = (3, 40, 10) if args.quick else (5, 80, 10)
     repeats, steps = args.repeats or repeats, args.steps or steps
     configs = configurations(args.batch_size, args.replicas)
@@ -206,9 +221,9 @@ def main() -> None:
     measured.update({name: [] for name in kernels})
     for _ in range(repeats):  # interleaved: every repetition runs every configuration once
         for name, (strategy, replicas, batch) in configs.items():
-            measured[name].append(samples_per_second(strategy(), replicas, batch, steps, warmup))
+            measured[name].append(samples_per_second(strategy(), replicas, batch, steps, warmup, net, shape))
         for name, fused in kernels.items():
-            measured[name].append(kernel_samples_per_second(k, b, 4 * steps, warmup, fused))
+            measured[name].append(kernel_samples_per_second(k, b, 4 * steps, warmup, fused, args.model))
     median = {name: statistics.median(values) for name, values in measured.items()}
     pairs = {
         f"fused / sequential (k={k}, target >= 2)": (f"crossbow k={k} fused b={b}", f"crossbow k={k} sequential b={b}"),
@@ -224,7 +239,7 @@ def main() -> None:
         for name, (a, b) in pairs.items()
     }
     print(
-        f"\nsamples/s, median of {repeats} interleaved runs ({steps} timed steps each), torch {torch.__version__},"
+        f"\n{args.model}: samples/s, median of {repeats} interleaved runs ({steps} timed steps each), torch {torch.__version__},"
         f" lightning {L.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
     )
     for name, value in median.items():
@@ -238,10 +253,13 @@ def main() -> None:
         + (" --quick" if args.quick else "")
         + (f" --repeats {args.repeats}" if args.repeats else "")
         + (f" --steps {args.steps}" if args.steps else "")
+        + (f" --model {args.model}" if args.model != "mnist1d-cnn" else "")
     )
+    name = "throughput.json" if args.model == "mnist1d-cnn" else f"throughput_{args.model}.json"
     save_result(
-        args.out or results_dir(args.quick) / "throughput.json",
+        args.out or results_dir(args.quick) / name,
         command,
+        model=args.model,
         repeats=repeats,
         timed_steps=steps,
         samples_per_sec=measured,

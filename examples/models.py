@@ -38,6 +38,25 @@ def mlp(in_features: int = 40, num_classes: int = 10, hidden: int = 128, depth: 
     return nn.Sequential(*layers, nn.Linear(width, num_classes))
 
 
+def lenet5(num_classes: int = 10) -> nn.Module:
+    """LeNet-5 for 28x28 grey images (LeCun et al., 1998, with ReLU and max pooling): two 5x5 convolutions of 6 and 16
+    channels, each followed by 2x2 max pooling, then three linear layers (61 k parameters)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 6, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 5 * 5, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, num_classes),
+    )
+
+
 class _BasicBlock(nn.Module):
     """Two 3x3 convolutions with BatchNorm and a residual connection (He et al., 2016)."""
 
@@ -49,7 +68,9 @@ class _BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or channels_in != channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels, 1, stride=stride, bias=False), nn.BatchNorm2d(channels))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels, 1, stride=stride, bias=False), nn.BatchNorm2d(channels)
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
