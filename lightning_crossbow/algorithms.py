@@ -337,7 +337,8 @@ class ScaledAveraging(Averaging):
 
     def _local_statistics(self, buckets: Sequence[FlatBucket], dropped: Optional[Tensor]) -> Tensor:
         """``(sum_j |d_j|^2, learners that stepped)`` on this process, in float64 (dropped rows already zeroed);
-        riding in a float32 bucket's all-reduce they keep float32's 7 significant digits."""
+        across processes, riding in a float32 bucket's all-reduce, they keep float32's 7 significant digits (on a
+        single process, with several buckets, the sum keeps float64's)."""
         square_sum = torch.zeros(1, dtype=torch.float64, device=buckets[0].center.device)
         for bucket in buckets:
             flat = bucket.corrections.view(-1)
