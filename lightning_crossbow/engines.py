@@ -104,10 +104,18 @@ class ReplicaStepOutput:
 
 
 def _split_output(output: Any) -> tuple[Optional[Tensor], dict[str, Any], bool]:
+    """``(loss, the dict's other items, whether training_step returned a dict)``; TypeError where the output or its
+    loss is not one Lightning's automatic optimization can backpropagate (every engine raises the same one)."""
     if output is None or isinstance(output, Tensor):
         return output, {}, False
     if isinstance(output, Mapping) and "loss" in output:
-        return output["loss"], {k: v for k, v in output.items() if k != "loss"}, True
+        loss = output["loss"]
+        if loss is not None and not isinstance(loss, Tensor):
+            raise TypeError(
+                f"training_step returned a dict whose 'loss' is a {type(loss).__name__}; it must be a tensor that"
+                " automatic optimization can backpropagate (or None, to skip the batch)."
+            )
+        return loss, {k: v for k, v in output.items() if k != "loss"}, True
     raise TypeError(
         f"training_step must return a loss tensor, a dict with a 'loss' key, or None; got {type(output).__name__}."
     )
