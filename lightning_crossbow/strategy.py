@@ -1476,12 +1476,9 @@ class CrossbowStrategy(DDPStrategy):
 
     def _diverged_replicas(self) -> Optional[Tensor]:
         losses, self._step_losses = self._step_losses, None
-        if losses is None:
+        if losses is None or all(map(math.isfinite, losses.tolist())):  # (one read of k numbers, no tensor ops)
             return None
-        finite = losses.isfinite()
-        if bool(finite.all()):
-            return None
-        diverged = ~finite
+        diverged = ~losses.isfinite()
         step = self.lightning_module.trainer.global_step
         for replica in diverged.nonzero().flatten().tolist():
             warnings.warn(
