@@ -40,8 +40,8 @@ def lean_vmap(func: Callable[..., Any], num_replicas: int, *args: Any) -> Any:
     """``torch.func.vmap(func, in_dims, out_dims=0, randomness="different")(*args)``, with ``in_dims`` 0 for every
     tensor in ``args`` (a pytree) and None for everything else: each tensor's dimension 0 holds the ``num_replicas``
     replicas; every output must be a tensor, and comes back with the replicas on its dimension 0 (expanded where
-    ``func`` returned it unbatched, as ``vmap`` does). Errors as ``vmap``'s: no tensor to batch, a tensor whose
-    dimension 0 is not ``num_replicas``, an output that is not a tensor (ValueError)."""
+    ``func`` returned it unbatched, as ``vmap`` does). ValueError where ``vmap`` raises one (in words of its own): no
+    tensor to batch, a tensor whose dimension 0 is not ``num_replicas``, an output that is not a tensor."""
     if not _AVAILABLE:
         return _torch_func_vmap(func, *args)
     tensors = 0
