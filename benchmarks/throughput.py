@@ -116,9 +116,10 @@ def kernel_samples_per_second(
 ) -> float:
     """What PyTorch's kernels allow, outside Lightning and crossbow: samples/s of the bare forward, backward and SGD
     step (momentum 0.9) of ``model`` (:data:`MODELS`) on random data. ``fused=False``: one model on batches of
-    ``k * batch_size``; ``fused=True``: ``k`` models stacked and run under ``torch.func.vmap``, each on its own
-    ``batch_size``, as the fused engine runs them on CPU (its parameter swap, its call of ``vmap``
-    (:mod:`lightning_crossbow.lean_vmap`), and its layers and cross-entropy fused, :mod:`lightning_crossbow.fused_layers`)."""
+    ``k * batch_size``; ``fused=True``: ``k`` models stacked and run under ``vmap``, each on its own
+    ``batch_size``, as the fused engine runs them on CPU (its parameter swap, its call of ``vmap``,
+    :mod:`lightning_crossbow.lean_vmap`, and its layers and cross-entropy fused,
+    :mod:`lightning_crossbow.fused_layers`)."""
     torch.manual_seed(0)
     make_net, shape = MODELS[model]
     net = make_net()
@@ -239,8 +240,9 @@ def main() -> None:
         for name, (a, b) in pairs.items()
     }
     print(
-        f"\n{args.model}: samples/s, median of {repeats} interleaved runs ({steps} timed steps each), torch {torch.__version__},"
-        f" lightning {L.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+        f"\n{args.model}: samples/s, median of {repeats} interleaved runs ({steps} timed steps each),"
+        f" torch {torch.__version__}, lightning {L.__version__}, {torch.get_num_threads()} threads,"
+        f" {platform.processor() or platform.machine()}"
     )
     for name, value in median.items():
         spread = f"{min(measured[name]):.0f}-{max(measured[name]):.0f}"

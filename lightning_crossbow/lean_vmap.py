@@ -5,10 +5,10 @@ batched over the replicas on dimension 0 and every output a tensor, batched the 
 ``torch.func.vmap`` builds its wrapper, flattens the arguments and broadcasts ``in_dims`` over them, wraps each
 tensor, then flattens the outputs and broadcasts ``out_dims`` over them, through its Python layers: 0.13 ms a call
 for the engine's arguments with the MNIST-1D CNN (8 parameter tensors, a batch of two), against 0.02 ms for the same
-wrapping done directly (2 CPU threads). :func:`lean_vmap` does the one call with the functions of ``torch._C._functorch``
-that ``torch.func.vmap`` itself ends in (as :mod:`~lightning_crossbow.fused_layers` uses them), walking dicts, tuples
-and lists itself (``torch.utils._pytree`` walks any other container), and is ``torch.func.vmap`` where a PyTorch
-release lacks those functions.
+wrapping done directly (2 CPU threads). :func:`lean_vmap` does the one call with the functions of
+``torch._C._functorch`` that ``torch.func.vmap`` itself ends in (as :mod:`~lightning_crossbow.fused_layers` uses
+them), walking dicts, tuples and lists itself (``torch.utils._pytree`` walks any other container), and is
+``torch.func.vmap`` where a PyTorch release lacks those functions.
 """
 
 from __future__ import annotations
