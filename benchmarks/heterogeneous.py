@@ -48,6 +48,7 @@ from lightning_crossbow import CrossbowStrategy  # noqa: E402
 SLOW_RANK, SLOWDOWN = 1, 2.0
 BATCH = int(os.environ.get("CROSSBOW_BENCH_BATCH", 16))  # per-replica batch (set by --batch-size)
 QUICK = False  # --quick, passed on to every phase
+REPLICAS = 6  # --replicas, passed on to every phase
 
 
 class Throttle(L.Callback):
@@ -125,7 +126,8 @@ def accuracy_phase(mode: str, k: int, seed: int, max_epochs: int) -> dict[str, A
 
 
 def _start(out: Path, *phase: str, throttle: bool = True) -> subprocess.Popen:
-    command = [sys.executable, __file__, "--phase", *phase, "--result", str(out), *(["--quick"] if QUICK else [])]
+    command = [sys.executable, __file__, "--phase", *phase, "--result", str(out), "--replicas", str(REPLICAS)]
+    command += ["--quick"] if QUICK else []
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["CROSSBOW_BENCH_BATCH"] = str(BATCH)
     if not throttle:
@@ -161,9 +163,9 @@ def main() -> None:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="default: benchmarks/out/heterogeneous.json (out/quick/ with --quick)")
     args = parser.parse_args()
-    global BATCH, QUICK
+    global BATCH, QUICK, REPLICAS
     BATCH = args.batch_size if not args.phase else BATCH
-    QUICK = args.quick
+    QUICK, REPLICAS = args.quick, args.replicas
     k = args.replicas
     steps, warmup = (60, 80) if args.quick else (150, 80)  # the warm-up covers the balancer settling (3-4 windows)
     if args.phase:  # inside one launch
@@ -230,6 +232,8 @@ def main() -> None:
     command = "python benchmarks/heterogeneous.py" + (" --quick" if args.quick else "")
     if args.batch_size != 16:
         command += f" --batch-size {args.batch_size}"
+    if args.replicas != 6:
+        command += f" --replicas {args.replicas}"
     if args.throughput_only:
         command += " --throughput-only"
     if args.repeats:
