@@ -1941,8 +1941,8 @@ def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) 
     if losses.numel() == 1:
         return total
     stepped = losses.numel() if skipped is None else int((~skipped).sum())
-    mean = losses.sum() / stepped
-    return total + (mean.to(total.dtype) - total.detach())
+    value = total.detach()  # (the sum of ``losses``, in which the replicas that skipped count 0)
+    return total + (value / stepped - value)
 
 
 def _destroy_process_group_at_exit() -> None:
