@@ -104,10 +104,10 @@ class ReplicaStepOutput:
 
 
 def _split_output(output: Any) -> tuple[Optional[Tensor], dict[str, Any], bool]:
-    """``(loss, the dict's other items, whether training_step returned a dict)``; TypeError where the output or its
+    """``(loss, the dict's other items, whether training_step returned a dict)``; an error where the output or its
     loss is not one Lightning's automatic optimization can backpropagate (every engine raises the same one)."""
     if output is None or isinstance(output, Tensor):
-        return output, {}, False
+        return _one_number(output), {}, False
     if isinstance(output, Mapping) and "loss" in output:
         loss = output["loss"]
         if loss is not None and not isinstance(loss, Tensor):
@@ -115,10 +115,21 @@ def _split_output(output: Any) -> tuple[Optional[Tensor], dict[str, Any], bool]:
                 f"training_step returned a dict whose 'loss' is a {type(loss).__name__}; it must be a tensor that"
                 " automatic optimization can backpropagate (or None, to skip the batch)."
             )
-        return loss, {k: v for k, v in output.items() if k != "loss"}, True
+        return _one_number(loss), {k: v for k, v in output.items() if k != "loss"}, True
     raise TypeError(
         f"training_step must return a loss tensor, a dict with a 'loss' key, or None; got {type(output).__name__}."
     )
+
+
+def _one_number(loss: Optional[Tensor]) -> Optional[Tensor]:
+    """``loss`` where it holds one number (of any shape: ``()``, ``(1,)``, ...), as Lightning's backward needs it (its
+    ``backward`` raises "grad can be implicitly created only for scalar outputs" otherwise); RuntimeError else."""
+    if loss is not None and loss.numel() != 1:
+        raise RuntimeError(
+            f"training_step returned a loss of shape {tuple(loss.shape)}; automatic optimization backpropagates a loss"
+            " of one number (plain Lightning's backward refuses this one too). Reduce it, with .mean() or .sum()."
+        )
+    return loss
 
 
 class Engine(ABC):
@@ -218,9 +229,9 @@ class SequentialEngine(Engine):
         # One replica: its loss is the total as it is (no stack and sum nodes in the backward graph).
         total = None if not losses else losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         if not any(skipped):
-            detached = torch.stack([loss.detach() for loss in losses])
+            detached = torch.stack([loss.detach().reshape(()) for loss in losses])  # (one number each)
             return ReplicaStepOutput(total, detached, _merge_extras(extras), returned_dict)
-        found, device = iter(loss.detach() for loss in losses), _device_of(stack)
+        found, device = iter(loss.detach().reshape(()) for loss in losses), _device_of(stack)
         detached = torch.stack([torch.zeros((), device=device) if skip else next(found) for skip in skipped])
         skipped_rows = torch.tensor(skipped, device=device)
         return ReplicaStepOutput(total, detached, _merge_extras(extras), returned_dict, skipped_rows)
@@ -436,7 +447,7 @@ class FusedEngine(Engine):
         copies = {key: [copy.deepcopy(v) for _ in range(stack.num_replicas)] for key, v in plain_extras.items()}
         merged = {**_merge_stacked_extras(extras), **copies}
         extras = {key: merged[key] for key in extras_order}  # (in the order training_step gave them)
-        return ReplicaStepOutput(losses.sum(), losses.detach(), extras, returned_dict[0])
+        return ReplicaStepOutput(losses.sum(), losses.detach().reshape(stack.num_replicas), extras, returned_dict[0])
 
 
 class FusedOrSequentialEngine(Engine):

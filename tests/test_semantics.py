@@ -15,7 +15,7 @@ import torchmetrics
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
@@ -1086,3 +1086,47 @@ def test_a_diverged_gossip_learner_restarts_its_buffers_from_z_s() -> None:
     for z, mean in zip(seen.seen, seen.replicas_mean, strict=True):
         assert all(torch.isfinite(value).all() for value in z.values())
         assert all(torch.isfinite(value).all() for value in mean.values())
+
+
+class _LossOfShape(Classifier):
+    """Returns its loss with the given shape: ``(1,)`` (one number, as a learned ``(1,)`` weight in the loss gives
+    it), or ``(2,)`` (two numbers: not a loss automatic optimization can backpropagate)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape = shape
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return super().training_step(batch, batch_idx).expand(*self.shape)
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential", "auto"])
+def test_a_loss_of_one_number_in_shape_one_trains_and_a_diverged_replica_of_it_restarts(
+    engine: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A loss of shape ``(1,)`` trains as a 0-dim one does: k=1 bitwise as plain Lightning, and at k=2 each
+    replica's loss is one number, so a replica whose loss is NaN is the one reset (not every replica, and no error)."""
+    models = {}
+    for name, strategy in [("plain", "auto"), ("crossbow k=1", CrossbowStrategy(replicas_per_device=1, engine=engine))]:
+        models[name] = _LossOfShape((1,))
+        trainer(strategy=strategy, max_steps=3).fit(models[name], loader(make_data()))
+    for (name, p), q in zip(models["plain"].named_parameters(), models["crossbow k=1"].parameters()):
+        assert torch.equal(p, q), name
+    x, y = make_data(num_samples=8 * 2 * 3)[:]
+    x[8 * 3] = float("nan")  # batch 3 = replica 1 of step 1 (k=2)
+    model = _LossOfShape((1,))
+    trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_steps=3).fit(
+        model, loader(TensorDataset(x, y))
+    )
+    diverged = [str(w.message) for w in recwarn if "non-finite loss" in str(w.message)]
+    assert len(diverged) == 1 and "replica 1 on rank 0" in diverged[0] and "at step 1" in diverged[0]
+    assert not [w for w in recwarn if "Falling back" in str(w.message)]
+    assert model.trainer.global_step == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("strategy", ["plain", "fused", "sequential", "auto"])
+def test_a_loss_of_two_numbers_is_refused_as_plain_lightning_refuses_it(strategy: str) -> None:
+    crossbow = None if strategy == "plain" else CrossbowStrategy(replicas_per_device=2, engine=strategy)
+    message = "grad can be implicitly created only for scalar outputs" if crossbow is None else "a loss of shape"
+    with pytest.raises(RuntimeError, match=message):
+        trainer(strategy=crossbow or "auto", max_steps=1).fit(_LossOfShape((2,)), loader(make_data()))
