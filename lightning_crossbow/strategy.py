@@ -1542,7 +1542,20 @@ class CrossbowStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:  # (a check of this epoch done)
             self._checks_done = max(self._checks_done + 1, self._checks_if_validated)
             self._checks_if_validated = 0
+            self._release_gradients_as_the_module_did(trainer)
         self.sync_center()
+
+    def _release_gradients_as_the_module_did(self, trainer: "pl.Trainer") -> None:
+        """Before a validation within fit Lightning releases the module's gradients (``on_validation_model_zero_grad``,
+        unless it is accumulating them); the replicas' gradients, which crossbow keeps, go too, so that an optimizer
+        step without a backward after it (``StochasticWeightAveraging``'s BatchNorm epoch) finds none, as plain
+        Lightning's finds none. Where the module overrides that hook, its gradients are its own business."""
+        if self.stack is None or is_overridden("on_validation_model_zero_grad", self.lightning_module):
+            return
+        if trainer.fit_loop.epoch_loop._should_accumulate():  # (Lightning zeroes nothing then)
+            return
+        for leaf in self.stack.params.values():
+            leaf.grad = None
 
     @override
     def on_test_start(self) -> None:

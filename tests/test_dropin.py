@@ -1114,6 +1114,35 @@ def test_stochastic_weight_averaging_with_batch_norm_at_one_replica_is_plain_lig
             )  # the averaged weights, the recomputed statistics
 
 
+class _KeepsGradientsForValidation(_WithBatchNorm):
+    def on_validation_model_zero_grad(self) -> None:
+        """Lightning's hook overridden: the gradients stay through validation."""
+
+
+@pytest.mark.parametrize("module", [_WithBatchNorm, _KeepsGradientsForValidation], ids=["released", "kept"])
+def test_gradients_released_before_validation_leave_swas_batch_norm_epoch_nothing_to_step(module: type) -> None:
+    """Lightning releases the module's gradients before validating (``on_validation_model_zero_grad``); the replicas'
+    go too, so the step that ends SWA's BatchNorm epoch (no backward) has none and leaves the averaged weights as plain
+    Lightning's does (before, it took the last step's gradients again). Where the module overrides the hook, its
+    gradients stay, and the step takes them in both. One replica: bitwise plain Lightning."""
+    dataset = make_data(num_samples=64)
+    models = {}
+    for name, strategy in [
+        ("plain", "auto"),
+        ("fused", CrossbowStrategy(replicas_per_device=1, engine="fused")),
+        ("sequential", CrossbowStrategy(replicas_per_device=1, engine="sequential")),
+    ]:
+        torch.manual_seed(0)
+        models[name] = module()
+        swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+        trainer(strategy=strategy, max_epochs=3, callbacks=[swa]).fit(
+            models[name], loader(dataset), loader(make_data(num_samples=16, seed=1))
+        )
+    for name in ("fused", "sequential"):
+        for (key, a), b in zip(models["plain"].state_dict().items(), models[name].state_dict().values(), strict=True):
+            assert torch.equal(a, b), (name, key)
+
+
 @pytest.mark.parametrize("clear_gradients", [True, False], ids=["gradients cleared", "gradients kept"])
 @pytest.mark.parametrize("algorithm", ["scaled_averaging", "sma"])
 @pytest.mark.parametrize("engine", ["fused", "sequential", "auto"])
