@@ -227,6 +227,11 @@ class ReplicaStack:
         for bucket in self.buckets:
             bucket.replicas.copy_(bucket.replicas.mean(0, keepdim=True).expand_as(bucket.replicas))
 
+    def release_gradients_(self) -> None:
+        """Drops every stacked parameter's gradient (``grad = None``), as ``zero_grad()`` drops a module's."""
+        for leaf in self.params.values():
+            leaf.grad = None
+
     @torch.no_grad()
     def reset_replicas_(self, module: nn.Module, rows: Optional[Tensor] = None, buffers: bool = False) -> None:
         """Sets replicas ``rows`` (a bool mask; all when None) to z, and their buffers to z's if asked."""

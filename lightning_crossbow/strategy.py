@@ -860,8 +860,7 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None and self.engine is not None
         self._step_losses = self._step_skipped = None
         self._gradients_pending = False
-        for leaf in self.stack.params.values():
-            leaf.grad = None
+        self.stack.release_gradients_()
         try:
             output = self.training_step(*self._step_call)
             # (its loss as Lightning's closure makes it: divided by accumulate_grad_batches)
@@ -1552,10 +1551,8 @@ class CrossbowStrategy(DDPStrategy):
         Lightning's finds none. Where the module overrides that hook, its gradients are its own business."""
         if self.stack is None or is_overridden("on_validation_model_zero_grad", self.lightning_module):
             return
-        if trainer.fit_loop.epoch_loop._should_accumulate():  # (Lightning zeroes nothing then)
-            return
-        for leaf in self.stack.params.values():
-            leaf.grad = None
+        if not trainer.fit_loop.epoch_loop._should_accumulate():  # (Lightning zeroes nothing then)
+            self.stack.release_gradients_()
 
     @override
     def on_test_start(self) -> None:
