@@ -504,7 +504,7 @@ class FusedOrSequentialEngine(Engine):
             try:
                 output = self.sequential.run(stack, batches, args, capture)
             except Exception as again:
-                if type(again) is type(error) and str(again) == str(error):
+                if _same_error(again, error):
                     self.active = self.fused  # the step's own error, raised either way: not vmap's doing
                     raise
                 self._warn_of_fallback(error)
@@ -527,7 +527,7 @@ class FusedOrSequentialEngine(Engine):
 
     @override
     def after_rerun(self, error: BaseException, again: Optional[BaseException]) -> None:
-        if again is not None and type(again) is type(error) and str(again) == str(error):
+        if again is not None and _same_error(again, error):
             self.active = self.fused  # the step's own error, raised either way: not vmap's doing
             return
         self._warn_of_fallback(error, "the training_step's backward")
@@ -545,6 +545,11 @@ class FusedOrSequentialEngine(Engine):
     @override
     def fused_failed(self) -> bool:
         return self.active is self.sequential
+
+
+def _same_error(again: BaseException, error: BaseException) -> bool:
+    """Whether the sequential run raised what the fused attempt raised (the step's own error, not ``vmap``'s doing)."""
+    return type(again) is type(error) and str(again) == str(error)
 
 
 def keep_replaced_buffers(stack: ReplicaStack, replaced: Mapping[str, Any]) -> None:
