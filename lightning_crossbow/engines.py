@@ -110,15 +110,19 @@ def _split_output(output: Any) -> tuple[Optional[Tensor], dict[str, Any], bool]:
         return _one_number(output), {}, False
     if isinstance(output, Mapping) and "loss" in output:
         loss = output["loss"]
-        if loss is not None and not isinstance(loss, Tensor):
+        if not isinstance(loss, Tensor):  # (plain Lightning refuses a None 'loss' too)
             raise TypeError(
-                f"training_step returned a dict whose 'loss' is a {type(loss).__name__}; it must be a tensor that"
-                " automatic optimization can backpropagate (or None, to skip the batch)."
+                f"training_step returned a dict whose 'loss' is {_type_name(loss)}; it must be a tensor that"
+                " automatic optimization can backpropagate (to skip the batch, return None instead of the dict)."
             )
         return _one_number(loss), {k: v for k, v in output.items() if k != "loss"}, True
     raise TypeError(
         f"training_step must return a loss tensor, a dict with a 'loss' key, or None; got {type(output).__name__}."
     )
+
+
+def _type_name(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _one_number(loss: Optional[Tensor]) -> Optional[Tensor]:

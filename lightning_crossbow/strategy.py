@@ -1947,12 +1947,15 @@ def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) 
     """``total``, the sum of the replicas' losses, carrying the value of their mean: the step's loss that
     Lightning hands to hooks and callbacks (``outputs["loss"]``), as plain Lightning hands a batch's loss.
     The gradient is the sum's, unchanged (the added term is a constant): each replica still gets the
-    gradient of its own loss. Replicas that skipped the step (``skipped``; None: none) are not counted."""
+    gradient of its own loss. Replicas that skipped the step (``skipped``; None: none) are not counted.
+
+    ``total - value`` is an exact zero for a finite sum (so the mean is rounded once, also in bfloat16); for a
+    non-finite one, ``value`` made finite keeps it ``±inf`` or NaN, which the mean then is too."""
     if losses.numel() == 1:
         return total
     stepped = losses.numel() if skipped is None else int((~skipped).sum())
     value = total.detach()  # (the sum of ``losses``, in which the replicas that skipped count 0)
-    return total + (value / stepped - value)
+    return (total - value.nan_to_num()) + value / stepped
 
 
 def _destroy_process_group_at_exit() -> None:

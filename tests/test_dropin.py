@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import gc
+import math
 import multiprocessing
 import pickle
 import sys
@@ -23,6 +24,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.utils.data import TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.engines import NotFusableError
@@ -63,6 +65,51 @@ def test_the_loss_callbacks_see_is_the_mean_over_replicas(engine: str) -> None:
     )
     assert len(seen.seen) == 2
     assert seen.seen == pytest.approx(seen.expected, rel=1e-5)
+
+
+class _LossOffByTheDataSign(Classifier):
+    """Its loss plus ``sign * log(1 / |x|.min())``: finite on ordinary data; ``+inf`` (``sign`` 1) or ``-inf``
+    (``sign`` -1) on a batch holding a 0, NaN on one holding a NaN."""
+
+    def __init__(self, sign: float) -> None:
+        super().__init__()
+        self.sign = sign
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, _ = batch
+        return super().training_step(batch, batch_idx) - self.sign * torch.log(x.abs().amin())
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+@pytest.mark.parametrize(
+    ("sign", "poison", "reported"),
+    [(1.0, 0.0, math.inf), (-1.0, 0.0, -math.inf), (1.0, math.nan, math.nan)],
+    ids=["inf", "-inf", "nan"],
+)
+def test_the_loss_callbacks_see_is_the_mean_also_where_one_replica_diverged(
+    engine: str, sign: float, poison: float, reported: float
+) -> None:
+    """A replica whose loss is ``±inf`` makes the replicas' mean ``±inf`` (not ``inf/k - inf``, NaN), one whose
+    loss is NaN makes it NaN; the other steps' mean is the mean, and the replica is reset as before."""
+    x, y = make_data(num_samples=8 * 4 * 2)[:]
+    x[8 * 5] = poison  # batch 5 = replica 1 of step 1 (k=4)
+    seen, expected = [], []
+
+    class Seen(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            with torch.no_grad():
+                losses = [F.cross_entropy(pl_module(x), y) - sign * torch.log(x.abs().amin()) for x, y in batch]
+                expected.append(float(sum(losses)) / len(batch))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            seen.append(float(outputs["loss"]))
+
+    with pytest.warns(UserWarning, match=r"replica 1 on rank 0 has a non-finite loss .* at step 1"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine=engine), max_epochs=1, callbacks=[Seen()]).fit(
+            _LossOffByTheDataSign(sign), loader(TensorDataset(x, y))
+        )
+    assert math.isfinite(seen[0]) and seen[0] == pytest.approx(expected[0], rel=1e-5)
+    assert seen[1] == reported or (math.isnan(reported) and math.isnan(seen[1]))
 
 
 class _SkipsSecondStep(Classifier):

@@ -294,32 +294,33 @@ def test_backend_names_are_taken_as_torch_takes_them() -> None:
         assert CrossbowStrategy(process_group_backend=backend).process_group_backend == backend
 
 
-class _ReturnsANumber(Classifier):
-    """Returns its loss as a Python number (or, with ``as_dict``, a dict whose 'loss' is one)."""
+class _ReturnsANonTensor(Classifier):
+    """Returns ``loss`` (not a tensor) in place of its loss, or, with ``as_dict``, a dict whose 'loss' it is."""
 
-    def __init__(self, as_dict: bool) -> None:
+    def __init__(self, loss: Any, as_dict: bool) -> None:
         super().__init__()
-        self.as_dict = as_dict
+        self.loss, self.as_dict = loss, as_dict
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         super().training_step(batch, batch_idx)
-        return {"loss": 1.5} if self.as_dict else 1.5
+        return {"loss": self.loss} if self.as_dict else self.loss
 
 
 @pytest.mark.parametrize("engine", ["fused", "sequential", "auto"])
 @pytest.mark.parametrize(
-    ("as_dict", "message"),
+    ("loss", "as_dict", "message"),
     [
-        (True, "training_step returned a dict whose 'loss' is a float; it must be a tensor"),
-        (False, "training_step must return a loss tensor, a dict with a 'loss' key, or None; got float"),
+        (1.5, True, "training_step returned a dict whose 'loss' is a float; it must be a tensor"),
+        (1.5, False, "training_step must return a loss tensor, a dict with a 'loss' key, or None; got float"),
+        (None, True, r"training_step returned a dict whose 'loss' is None; .* return None instead of the dict"),
     ],
-    ids=["dict", "number"],
+    ids=["dict", "number", "dict of None"],  # (plain Lightning refuses a dict whose 'loss' is None too)
 )
 def test_a_loss_that_is_not_a_tensor_gets_one_clear_error_from_every_engine(
-    engine: str, as_dict: bool, message: str, recwarn: pytest.WarningsRecorder
+    engine: str, loss: Any, as_dict: bool, message: str, recwarn: pytest.WarningsRecorder
 ) -> None:
     with pytest.raises(TypeError, match=message):
         trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_steps=1).fit(
-            _ReturnsANumber(as_dict), loader(make_data())
+            _ReturnsANonTensor(loss, as_dict), loader(make_data())
         )
     assert not [w for w in recwarn if "Falling back" in str(w.message)]  # (auto: the same error either way)
