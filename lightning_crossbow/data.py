@@ -255,6 +255,13 @@ class ReplicaBatchLoader:
             )
             self.batches_taken += len(group)
             if len(group) < size:
+                if group and self._pass_length is None and self.own_passes and self.batches_taken == len(group):
+                    raise ValueError(  # (a loader with a length is refused before training: see the strategy)
+                        f"crossbow: a pass of the training DataLoader gave {len(group)} batch(es), fewer than the"
+                        f" {size} that one step takes (replicas_per_device={size}): not one step could be made. Use"
+                        f" at most replicas_per_device={len(group)}, or give the loader more batches (a smaller"
+                        " batch size)."
+                    )
                 if group and self._pass_length is None and self.own_passes and not self._unfilled_warned:
                     self._unfilled_warned = True  # (a loader without a length: set-up could not say it)
                     rank_zero_warn(

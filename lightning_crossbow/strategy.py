@@ -3,7 +3,8 @@
 This module is the Strategy: Lightning's hooks, the checkpoint format, the out-of-memory back-off and the
 checks before training. The pieces it wires together:
 
-- :class:`~lightning_crossbow.data.ReplicaBatchLoader` groups k batches of the user's loader per step;
+- :class:`~lightning_crossbow.data.ReplicaBatchLoader` groups k batches of the user's loader per step, and
+  :class:`~lightning_crossbow.epoch_counts.EpochCounts` keeps Lightning's counts of the epoch right for them;
 - :class:`~lightning_crossbow.replicas.ReplicaStack` holds the replicas; the LightningModule's own
   parameters are the central model z;
 - :mod:`~lightning_crossbow.engines` run the user's ``training_step`` for all replicas;
@@ -61,7 +62,6 @@ from lightning_crossbow.data import (
     ReplicaGroup,
     RoutedBatchLoader,
     loader_length,
-    skips_over_a_tenth,
     tensor_sequences,
 )
 from lightning_crossbow.engines import (
@@ -72,6 +72,7 @@ from lightning_crossbow.engines import (
     SequentialEngine,
     make_engine,
 )
+from lightning_crossbow.epoch_counts import EpochCounts, limit_argument
 from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
@@ -111,16 +112,8 @@ _ONE_OPTIMIZER = (
     "crossbow needs exactly one optimizer from configure_optimizers, got {count}: every replica runs its"
     " own copy of that one optimizer, and crossbow supports automatic optimization only."
 )
-#: How far :meth:`CrossbowStrategy.replicas_fitting_an_epoch` looks.
-_MOST_REPLICAS_CHECKED = 4096
 _CHECKPOINT_KEY = "crossbow"
 _CHECKPOINT_VERSION = 1
-
-
-def _limit_argument(trainer: "pl.Trainer") -> str:
-    """The Trainer argument the user limited the training batches with (Lightning holds ``overfit_batches`` as
-    ``limit_train_batches`` too)."""
-    return "overfit_batches" if trainer.overfit_batches else "limit_train_batches"
 
 
 class CrossbowStrategy(DDPStrategy):
@@ -285,15 +278,8 @@ class CrossbowStrategy(DDPStrategy):
         self._resumed_pass_trained: Optional[tuple[int, int]] = None
         #: The training loader this fit made (uniform mode), once made.
         self._fit_loader: Optional[ReplicaBatchLoader] = None
-        #: The user's fractional ``limit_train_batches`` while Lightning holds it as a number of steps (see
-        #: :meth:`_fraction_as_steps`), else None.
-        self._train_fraction: Optional[float] = None
-        self._epoch_length_follows_k = False
-        self._k_changed_in_epoch = False  # (then a fractional val_check_interval is timed by batches: see below)
-        self._in_a_step = False  #: whether a step of crossbow's groups has started in this fit
-        #: Of this epoch's checks of a fractional ``val_check_interval`` (timed by batches), those validated, and
-        #: those the step in progress validates if it is told to.
-        self._checks_done = self._checks_if_validated = 0
+        #: Lightning's counts of the training epoch, kept right for the groups of k batches.
+        self._epoch = EpochCounts()
         #: The largest k known to fit in memory (set after an out-of-memory back-off), or None.
         self.replica_ceiling: Optional[int] = None
         self._group: Optional[list[Any]] = None  # the group of batches of the step in progress
@@ -549,13 +535,13 @@ class CrossbowStrategy(DDPStrategy):
             counts, self._resumed_pass_counts = self._resumed_pass_counts, None
             trained, self._resumed_pass_trained = self._resumed_pass_trained, None
             grouped.counts_on_resume = counts
-            self._fraction_as_steps(trainer, grouped)
+            self._epoch.fraction_as_steps(trainer, grouped)
             if trained is not None and not _saves_its_position(dataloader):  # (one that does: Lightning loads it)
                 self._count_on_from_the_checkpoint(grouped, trained, pass_begun=False, step_ended=trained == counts)
             self._fit_loader = grouped
             batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
-        self._grouped = grouped
+        self._grouped = self._epoch.loader = grouped
         if length is not None and 0 < length < batches_per_step:  # (none at all: nothing to train, as in Lightning)
             raise ValueError(
                 f"crossbow: the training DataLoader has {length} batches per epoch, fewer than the"
@@ -566,38 +552,12 @@ class CrossbowStrategy(DDPStrategy):
         if dropped:
             batches = f"has {len(grouped) * batches_per_step + dropped} batches"
             if grouped.batch_limit is not None:  # (a fraction of them)
-                batches = (
-                    f"gives {grouped.batch_limit} batches an epoch ({_limit_argument(trainer)}={self._train_fraction})"
-                )
+                batches = f"gives {grouped.batch_limit} batches an epoch ({limit_argument(trainer)}={self._epoch.train_fraction})"
             rank_zero_warn(
                 f"crossbow: the training DataLoader {batches}, not a multiple of {per_step}; the last {dropped}"
                 " batch(es) of every epoch do not fill a step and are skipped."
             )
         return grouped
-
-    def _fraction_as_steps(self, trainer: "pl.Trainer", grouped: ReplicaBatchLoader) -> None:
-        """A fractional ``limit_train_batches`` (or ``overfit_batches``) ``f`` takes ``f`` of the loader's ``B``
-        batches: ``int(B f) // k`` steps, where Lightning would take ``f`` of the ``B // k`` groups. Lightning is
-        given that number of steps as its limit for this fit (the user's fraction is back at teardown), so that
-        every count it makes from it is crossbow's from the start: the epoch's steps, ``val_check_interval``, the
-        progress bar, ``estimated_stepping_batches``. After a change of k, :meth:`_fit_epoch_length` counts from
-        the fraction."""
-        fraction = self._train_limit(trainer)
-        length = loader_length(grouped.loader)
-        if not isinstance(fraction, float) or not 0.0 < fraction < 1.0 or not length:  # (no batches: no steps)
-            return
-        batches = int(length * fraction)
-        steps = grouped.groups_in(batches)
-        if steps == 0:
-            name = _limit_argument(trainer)
-            raise ValueError(
-                f"crossbow: {name}={fraction} of the training DataLoader's {length} batches is"
-                f" {batches} batches, fewer than the {grouped.num_replicas} that one step takes"
-                f" (replicas_per_device={grouped.num_replicas}): not one step could be made. Use"
-                f" {name} >= {grouped.num_replicas / length:.3g}, or fewer replicas."
-            )
-        self._train_fraction, trainer.limit_train_batches = fraction, steps
-        grouped.batch_limit = batches  # (the batches that fill no step are drawn all the same)
 
     def _count_on_from_the_checkpoint(
         self, grouped: ReplicaBatchLoader, counts: tuple[int, int], pass_begun: bool, step_ended: bool
@@ -647,15 +607,8 @@ class CrossbowStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
         trainer = self.lightning_module.trainer
-        if batch_idx == 0:
-            self._k_changed_in_epoch = False
-            self._checks_done = self._checks_if_validated = 0
-        if (batch_idx == 0 and self._epoch_length_follows_k) or self._resumed_mid_pass():
-            self._fit_epoch_length(trainer)  # Lightning counted the epoch's steps at another k
-        self._in_a_step = isinstance(batch, list)
-        if self._times_validation_by_batches(trainer) and self._in_a_step:
-            self._time_fractional_validation(trainer, batch_idx)
         assert self.stack is not None
+        self._epoch.start_batch(trainer, batch_idx, isinstance(batch, list), self.stack.num_replicas)
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
             split = self.routing.split_at(self._grouped.current_group)
             if split != self._split and self.balancer is not None:
@@ -950,133 +903,13 @@ class CrossbowStrategy(DDPStrategy):
             self.balancer.history.append((self.lightning_module.trainer.global_step, split))
         else:
             self._grouped.num_replicas = self._k_next_group = replicas_per_device
-            self._warn_of_skipped_batches()
-            self._k_changed_in_epoch = True
-        self._epoch_length_follows_k = True
-        self._fit_epoch_length(trainer)
-        if self._in_a_step and self._times_validation_by_batches(trainer):
-            # The step in progress was told whether it validates at the old k; the new k may end the epoch at it
-            # (fewer batches left than k), or no longer (a smaller k makes one more step of the batches left).
-            batch_idx = trainer.fit_loop.epoch_loop.batch_idx
-            self._time_fractional_validation(trainer, batch_idx)
-
-    def _times_validation_by_batches(self, trainer: "pl.Trainer") -> bool:
-        """Whether a fractional ``val_check_interval`` (and ``limit_train_batches``) is timed by the loader's batches
-        (see :meth:`_time_fractional_validation`): below 1 at k > 1, or in an epoch whose k changed (Lightning's
-        count of steps then fits no single k). (At a fixed k > 1, a fraction of the epoch's steps is not one of its
-        batches: 0.3 of 5 steps of 2 batches is every step, where plain Lightning validates every 3 batches. At k=1
-        Lightning's count is plain Lightning's, resumes included.)"""
-        assert self.stack is not None
-        return (
-            isinstance(trainer.val_check_interval, float)
-            and (self._k_changed_in_epoch or (trainer.val_check_interval < 1.0 and self.stack.num_replicas > 1))
-            and isinstance(self._train_limit(trainer), float)
-            and self.routing is None
-            and self._grouped is not None
-            and trainer.val_check_batch is not None
-            and math.isfinite(trainer.val_check_batch)
-        )
-
-    def _epoch_batches(self, fraction: float) -> int:
-        """The loader's batches an epoch takes under a fractional ``limit_train_batches``, as Lightning counts them."""
-        assert self._grouped is not None
-        return int(self._grouped.batches_per_pass() * fraction)
-
-    def _time_fractional_validation(self, trainer: "pl.Trainer", batch_idx: int) -> None:
-        """In an epoch whose k changed, a fractional ``val_check_interval`` f validates after each step whose batches
-        reach a multiple of ``int(f N)`` not yet validated for (N: the epoch's batches; plain Lightning validates every
-        ``int(f N)`` batches, ``N // int(f N)`` times an epoch), and after the epoch's last step while one of those
-        checks is undone (its batches that fill no step would have reached it). A validation does every check its
-        step reached (one step may reach two), and one that Lightning ran by its count of steps, before k changed,
-        does one. Lightning validates every ``val_check_batch`` steps, a count that no single k gives such an epoch:
-        each step is told whether it is one, once its group is drawn (``batch_idx``: the step's)."""
-        assert self._grouped is not None
-        interval = float(trainer.val_check_interval)
-        epoch_batches = self._epoch_batches(float(self._train_limit(trainer)))
-        every = max(1, int(interval * epoch_batches))
-        checks = max(1, epoch_batches // every)
-        after = self._grouped.batches_taken  # (this step's group drawn)
-        loop = trainer.fit_loop.epoch_loop
-        done, reached, last = self._checks_done, min(after // every, checks), loop.batch_progress.is_last_batch
-        reaches = reached > done or (last and done < checks)
-        self._checks_if_validated = (checks if last else reached) if reaches else 0
-        iteration = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
-        trainer.val_check_batch = iteration + 1 if reaches else iteration + 2  # (Lightning: (iteration + 1) % it == 0)
-
-    def _warn_of_skipped_batches(self) -> None:
-        """Warns when k now leaves more than a tenth of every epoch's batches out of its last, unfilled step."""
-        assert self._grouped is not None
-        length, k = self._grouped.pass_batches(), self._grouped.num_replicas  # (under a fractional limit, its)
-        if length is not None and skips_over_a_tenth(length, k):
-            rank_zero_warn(
-                f"crossbow: with replicas_per_device={k} the last {self._grouped.dropped_batches()} of the"
-                f" {length} batches of every epoch do not fill a step and are skipped."
-            )
+        self._epoch.k_changed(trainer, self.stack.num_replicas)
 
     def replicas_fitting_an_epoch(self) -> Optional[int]:
         """The largest k such that no k' <= k leaves more than a tenth of an epoch's batches out of its last,
         unfilled step (``batches mod k' <= batches / 10``); at least 1. None when the training loader has no
         length or the data are routed (heterogeneous mode)."""
-        if self._grouped is None or self.routing is not None:
-            return None
-        length = loader_length(self._grouped.loader)
-        if length is None:
-            return None
-        limit = self._train_limit(self.lightning_module.trainer)
-        if isinstance(limit, float):  # (an integer limit counts steps: its epochs never skip batches)
-            length = max(1, int(length * limit))
-        k = 1
-        while k < min(length, _MOST_REPLICAS_CHECKED) and not skips_over_a_tenth(length, k + 1):
-            k += 1
-        return k
-
-    def _train_limit(self, trainer: "pl.Trainer") -> Union[int, float]:
-        """The user's ``limit_train_batches`` (a fraction even while Lightning holds it as steps)."""
-        return self._train_fraction if self._train_fraction is not None else trainer.limit_train_batches
-
-    def _resumed_mid_pass(self) -> bool:
-        """Once per resume in the middle of a pass (a loader that saves its position): the steps trained before it
-        may have been at another k than the steps left, so the epoch's length is counted again."""
-        if self._grouped is None or not self._grouped.resumed_mid_pass:
-            return False
-        self._grouped.resumed_mid_pass = False
-        self._epoch_length_follows_k = True  # (Lightning would keep this epoch's count for the next ones)
-        return True
-
-    def _fit_epoch_length(self, trainer: "pl.Trainer") -> None:
-        """Sets Lightning's counts of this epoch to the groups at k now: its steps (``limit_train_batches`` as
-        Lightning applies it: a fraction of the loader's batches, or a number of steps), the last step the
-        fetcher marks, and the step of a fractional ``val_check_interval``."""
-        fit_loop = trainer.fit_loop
-        if self._grouped is None or not math.isfinite(fit_loop.max_batches):
-            return
-        limit = self._train_limit(trainer)
-        if isinstance(limit, int):
-            epoch_length = min(limit, self._grouped.groups_in_pass())
-        elif limit == 1.0:
-            epoch_length = self._grouped.groups_in_pass()
-        elif self.routing is None:
-            epoch_length = self._grouped.groups_in(self._epoch_batches(limit))
-        else:
-            return  # (heterogeneous mode: a fraction of the common order is not supported; Lightning's count stays)
-        interval = trainer.val_check_interval
-        if (
-            isinstance(interval, float)
-            and trainer.val_check_batch is not None
-            and math.isfinite(trainer.val_check_batch)
-            and not self._times_validation_by_batches(trainer)  # (then the step in progress was told already)
-        ):
-            trainer.val_check_batch = max(1, int(epoch_length * interval))  # as Lightning sets it at an epoch's start
-        fit_loop.max_batches = epoch_length
-        # Lightning's fetcher marks the last batch from the length it read when the epoch began.
-        fetcher = getattr(fit_loop, "_data_fetcher", None)
-        if fetcher is not None and getattr(fetcher, "length", None) is not None:
-            fetcher.length = epoch_length
-            if fetcher.fetched > 0 and not isinstance(getattr(type(fetcher), "done", None), property):
-                # Batches given back after the epoch's last group was fetched (an out-of-memory back-off), or
-                # left over at a smaller k, make more groups: the group in progress is no longer the last.
-                fetcher.done = fetcher.fetched >= epoch_length
-                fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+        return self._epoch.replicas_fitting_an_epoch(self.lightning_module.trainer)
 
     def _back_off(self, error: BaseException) -> None:
         """After an out-of-memory error in the step's forward or backward: one replica fewer from now on.
@@ -1539,8 +1372,7 @@ class CrossbowStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:  # (a check of this epoch done)
-            self._checks_done = max(self._checks_done + 1, self._checks_if_validated)
-            self._checks_if_validated = 0
+            self._epoch.validation_started()
             self._release_gradients_as_the_module_did(trainer)
         self.sync_center()
 
@@ -1574,31 +1406,8 @@ class CrossbowStrategy(DDPStrategy):
                 " list or dict); combine several into one (for example over a ConcatDataset), or train with another"
                 " strategy."
             )
-        self._align_the_resumed_epoch()
-
-    def _align_the_resumed_epoch(self) -> None:
-        """Before the first epoch of a resumed fit, Lightning's count of its steps, kept from the checkpoint (steps
-        at the checkpoint's k), is made to agree with the steps at k now:
-
-        - from a step that ended its epoch (saved in ``on_train_batch_end``), the next epoch starts afresh, as in
-          plain Lightning: Lightning moves to it by the saved ``is_last_batch``, but starts its count afresh only if
-          the steps done reach an epoch's steps at k now (a larger k at the save, fewer steps, had it begin at that
-          step's index);
-        - from the middle of an epoch whose loader counts on (:attr:`ReplicaBatchLoader.resumed_mid_pass`), the epoch
-          has the steps done and those the batches left make at k now: Lightning would otherwise start the epoch's
-          count again where the steps done reach its steps at k now, and mark no step the last, nor validate after
-          it."""
-        trainer = self.lightning_module.trainer
-        epoch_loop = trainer.fit_loop.epoch_loop
-        progress, steps = epoch_loop.batch_progress, trainer.num_training_batches
-        if not math.isfinite(steps):
-            return
-        if epoch_loop.restarted_on_train_batch_end and progress.is_last_batch:
-            if progress.current.completed + 1 < steps:  # (Lightning completes the saved step when the epoch starts)
-                progress.current.ready = progress.current.started = progress.current.processed = int(steps)
-                progress.current.completed = int(steps) - 1
-        elif self._resumed_mid_pass():  # (and the epochs after it are counted again as they start)
-            self._fit_epoch_length(trainer)
+        assert self.stack is not None
+        self._epoch.align_the_resumed_epoch(self.lightning_module.trainer, self.stack.num_replicas)
 
     @override
     def on_train_end(self) -> None:
@@ -1682,11 +1491,9 @@ class CrossbowStrategy(DDPStrategy):
             ),
             # the batches of the last group counted there if its step has not ended (a save from an exception)
             "batches_in_flight": in_flight,
-            # the epoch's fractional validation checks done (_time_fractional_validation), that of a step that ended
-            # counted in: a resumed fit goes on from the next step, as plain Lightning does, skipping its check
-            "validation_checks_done": self._checks_done
-            if in_flight
-            else max(self._checks_done, self._checks_if_validated),
+            # the epoch's fractional validation checks done (EpochCounts.time_fractional_validation), that of a step that
+            # ended counted in: a resumed fit goes on from the next step, as plain Lightning does, skipping its check
+            "validation_checks_done": self._epoch.checks_to_save(step_ended=not in_flight),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
             "world_size": self.world_size,
@@ -1730,8 +1537,7 @@ class CrossbowStrategy(DDPStrategy):
         else:
             drawn, trained = (progress.ready, progress.ready), (progress.processed, progress.processed)
         self._resumed_pass_counts, self._resumed_pass_trained = drawn, trained
-        self._checks_done = state.get("validation_checks_done", 0) if state is not None else 0
-        self._checks_if_validated = 0
+        self._epoch.restore(state.get("validation_checks_done", 0) if state is not None else 0)
         if self._fit_loader is not None and self.routing is None and not trainer.fit_loop._should_reload_train_dl:
             # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
             # iterator too, and Lightning will not load its position (nor does plain Lightning then). (A loader
@@ -1850,9 +1656,7 @@ class CrossbowStrategy(DDPStrategy):
         self._group = self._group_cut = None  # (a fit may stop by an error in a step)
         # (a fit may stop before its loader was made)
         self._resumed_group_size = self._resumed_pass_counts = self._resumed_pass_trained = None
-        if self._train_fraction is not None and self._lightning_module is not None:
-            self._lightning_module.trainer.limit_train_batches = self._train_fraction  # the user's fraction again
-        self._train_fraction = None
+        self._epoch.end_fit(self._lightning_module.trainer if self._lightning_module is not None else None)
         if self._grouped is not None:
             self._grouped.forget_tail()
         if self._k_next_group is not None:  # a change of k under way when fit ended: the next fit's k

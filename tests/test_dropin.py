@@ -780,6 +780,16 @@ def test_fewer_batches_than_replicas_is_refused_before_training(heterogeneous: b
         )
 
 
+def test_a_loader_without_a_length_and_fewer_batches_than_replicas_is_refused_at_its_first_pass() -> None:
+    """Its length is learnt only as its first pass ends: then, not after epochs that made no step."""
+    data = torch.utils.data.DataLoader(_Stream(make_data(num_samples=16)), batch_size=8)  # 2 batches
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2)
+    match = r"a pass of the training DataLoader gave 2 batch\(es\), fewer than the 3 .*at most replicas_per_device=2"
+    with pytest.raises(ValueError, match=match):
+        fit.fit(Classifier(), data)
+    assert fit.global_step == 0 and fit.current_epoch == 0
+
+
 # --------------------------------------------------------------------------------- checkpoints
 def test_a_crossbow_checkpoint_resumes_in_plain_lightning(tmp_path: Path) -> None:
     """Its optimizer state is over the module's own parameters: the mean over replicas of theirs."""
