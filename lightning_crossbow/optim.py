@@ -232,31 +232,32 @@ def reset_state_rows_(optimizer: Optimizer, rows: Tensor, stacked: Collection[Te
 
 class HeldRows:
     """Rows of the stacked parameters and of their per-replica optimizer state, copied before an optimizer
-    step and put back after it: the replicas in ``rows`` do not take the step (momentum and moments stay as
-    they were). State the step creates (an optimizer's first step) is zero in those rows, as for a fresh
-    replica. Shared state (Adam's ``step`` count) is not per replica and moves for all."""
+    step and put back after it: in each stacked leaf of ``rows`` (leaf, bool mask of its rows), the replicas
+    masked do not take the step (momentum and moments stay as they were). State the step creates (an
+    optimizer's first step) is zero in those rows, as for a fresh replica. Shared state (Adam's ``step``
+    count) is not per replica and moves for all. Leaves the optimizer does not step are left out."""
 
     @torch.no_grad()
-    def __init__(self, optimizer: Optimizer, rows: Tensor, stacked: Collection[Tensor]) -> None:
-        self.optimizer, self.rows = optimizer, rows
-        ids = {id(leaf) for leaf in stacked}
-        self.params = [param for param in stacked_params(optimizer) if id(param) in ids]
+    def __init__(self, optimizer: Optimizer, rows: Iterable[tuple[Tensor, Tensor]]) -> None:
+        self.optimizer = optimizer
+        masks = {id(leaf): mask for leaf, mask in rows}
+        self.held = [(param, masks[id(param)]) for param in stacked_params(optimizer) if id(param) in masks]
         self.copies: dict[tuple[int, str], Tensor] = {}
-        for param in self.params:
-            self.copies[(id(param), "")] = param[rows].clone()
+        for param, mask in self.held:
+            self.copies[(id(param), "")] = param[mask].clone()
             for key, value in optimizer.state.get(param, {}).items():
                 if _is_per_element(key, value, param.shape):
-                    self.copies[(id(param), key)] = value[rows].clone()
+                    self.copies[(id(param), key)] = value[mask].clone()
 
     @torch.no_grad()
     def restore_(self) -> None:
         """Puts the held rows back (their state created by the step: zero)."""
-        for param in self.params:
-            param[self.rows] = self.copies[(id(param), "")]
+        for param, mask in self.held:
+            param[mask] = self.copies[(id(param), "")]
             for key, value in self.optimizer.state.get(param, {}).items():
                 if _is_per_element(key, value, param.shape):
                     kept = self.copies.get((id(param), key))
-                    value[self.rows] = 0 if kept is None else kept
+                    value[mask] = 0 if kept is None else kept
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -63,6 +64,41 @@ class FlatBucket:
         ]
 
 
+class RowsReached:
+    """Which replicas' backward reached each stacked parameter, over an optimizer step's backwards.
+
+    In plain Lightning a parameter that a step's loss does not depend on has no gradient (``grad is None``) and
+    the optimizer skips it: no weight decay, momentum or moments move it. A replica's gradient is a row of its
+    stack's gradient, zero where that replica's backward did not reach it, and the optimizer would step it. Only
+    the replicas run one by one can differ (a branch on the data); each stack's per-replica views come from one
+    ``unbind``, whose backward node receives ``None`` for the rows no replica's loss depends on: a hook on it notes
+    the rows reached (:meth:`watch`), and the rows that no backward of the step reached are held out of the
+    optimizer's step (:class:`~lightning_crossbow.optim.HeldRows`)."""
+
+    def __init__(self) -> None:
+        self._reached: dict[str, list[bool]] = {}  # (per stack that a backward reached: its rows reached)
+
+    def watch(self, views: dict[str, Tensor]) -> None:
+        """Notes the rows that the next backward through ``views`` (one replica's views, from one ``unbind`` per
+        stack: the node they share) reaches."""
+        for name, view in views.items():
+            if view.grad_fn is not None:
+                view.grad_fn.register_prehook(partial(self._note, name))
+
+    def _note(self, name: str, grads: tuple[Optional[Tensor], ...]) -> None:
+        reached = [grad is not None for grad in grads]
+        before = self._reached.get(name)
+        self._reached[name] = reached if before is None else [a or b for a, b in zip(before, reached)]
+
+    def unreached(self) -> dict[str, list[bool]]:
+        """Per stack that some backward reached, its rows that none did (True), where there are any."""
+        return {name: [not row for row in rows] for name, rows in self._reached.items() if not all(rows)}
+
+    def clear(self) -> None:
+        """Forgets what the backwards so far reached (an optimizer step begins)."""
+        self._reached.clear()
+
+
 class ReplicaStack:
     """``k`` replicas of ``module``'s trainable parameters and buffers, all starting as copies of it.
 
@@ -84,6 +120,8 @@ class ReplicaStack:
                 " fit (in its __init__ or setup), or give the layers their input sizes."
             )
         self.num_replicas = num_replicas
+        #: The rows of each stacked parameter that the optimizer step's backwards reached (see :meth:`unbind`).
+        self.rows_reached = RowsReached()
         self.buckets: list[FlatBucket] = []
         self.params: dict[str, Tensor] = {}
         self._module_params: list[list[nn.Parameter]] = []  # per bucket
@@ -196,17 +234,20 @@ class ReplicaStack:
         self._bind_center(module)
 
     def unbind(self) -> list[tuple[dict[str, Tensor], dict[str, Tensor]]]:
-        """All replicas' parameters and buffers, one ``unbind`` per stacked tensor."""
+        """All replicas' parameters and buffers, one ``unbind`` per stacked tensor; the rows of each parameter that
+        their backward reaches go into :attr:`rows_reached`."""
         if self.num_replicas == 1:  # a view whose backward is a reshape, not a stack of gradients
             return [
                 ({n: t.squeeze(0) for n, t in self.params.items()}, {n: t.squeeze(0) for n, t in self.buffers.items()})
             ]
         params = {name: stack.unbind(0) for name, stack in self.params.items()}
         buffers = {name: stack.unbind(0) for name, stack in self.buffers.items()}
-        return [
+        replicas = [
             ({n: t[j] for n, t in params.items()}, {n: t[j] for n, t in buffers.items()})
             for j in range(self.num_replicas)
         ]
+        self.rows_reached.watch(replicas[0][0])
+        return replicas
 
     def state_bytes_per_replica(self) -> int:
         """Bytes one more replica holds outside its activations: weights, gradients, two optimizer states and

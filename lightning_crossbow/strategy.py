@@ -765,8 +765,10 @@ class CrossbowStrategy(DDPStrategy):
         module = self.lightning_module
         if not self.stack.is_bound():
             self.stack.rebind_(module)
-        if self.averaging.learners_start_at_center and not self._gradients_pending:  # an optimizer step's first batch
-            self.stack.reset_replicas_(module)
+        if not self._gradients_pending:  # an optimizer step's first batch
+            self.stack.rows_reached.clear()
+            if self.averaging.learners_start_at_center:
+                self.stack.reset_replicas_(module)
         engine = self.engine if not module.trainer.fit_loop._skip_backward else self._forward_only_engine()
         with self.precision_plugin.train_step_context():
             output = engine.run(self.stack, batches, rest, self._log_capture)
@@ -1050,8 +1052,9 @@ class CrossbowStrategy(DDPStrategy):
             nonlocal held
             with self.engine.timed():  # an engine="auto" that is still measuring times forward and backward
                 result = self._forward_backward(closure)  # (which may change k, see _back_off)
-            if self._step_skipped is not None and bool(self._step_skipped.any()):
-                held = HeldRows(optimizer, self._step_skipped, self._stacked_leaves())
+            rows = self._rows_out_of_the_step()
+            if rows:
+                held = HeldRows(optimizer, rows)
             self.averaging.before_local_step(self.stack.buckets, self.num_learners)
             return result
 
@@ -1062,6 +1065,25 @@ class CrossbowStrategy(DDPStrategy):
             held.restore_()
         self._gradients_pending = False
         return output
+
+    def _rows_out_of_the_step(self) -> list[tuple[Tensor, Tensor]]:
+        """The rows of each stacked parameter that the optimizer step leaves as they are: every row of a replica
+        that skipped the step, and the rows that no backward of the step reached (the replica's loss does not
+        depend on that parameter: plain Lightning's optimizer skips a parameter without a gradient)."""
+        assert self.stack is not None
+        skipped = self._step_skipped if self._step_skipped is not None and bool(self._step_skipped.any()) else None
+        unreached = self.stack.rows_reached.unreached()
+        if skipped is None and not unreached:
+            return []
+        rows = []
+        for name, leaf in self.stack.params.items():
+            mask = skipped
+            if name in unreached:
+                left_out = torch.tensor(unreached[name], device=leaf.device)
+                mask = left_out if mask is None else mask | left_out
+            if mask is not None:
+                rows.append((leaf, mask))
+        return rows
 
     def _forward_backward(self, closure: Callable[[], Any]) -> Any:
         """Lightning's closure: the replicas' ``training_step`` and backward. Where k may change (one process,

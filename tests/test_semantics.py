@@ -849,6 +849,66 @@ def test_accumulate_grad_batches_accumulates_per_replica() -> None:
             torch.testing.assert_close(snapshot.params[name][j], initial[name] - 0.1 * p.grad)
 
 
+class _BranchesOnTheData(L.LightningModule):
+    """A layer ``extra`` that a batch goes through only where its first input is positive (a branch on the data:
+    in one step some replicas use it and others not), trained with momentum and weight decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.extra, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor, through_extra: bool) -> Tensor:
+        hidden = torch.tanh(self.a(x))
+        return self.head(torch.tanh(self.extra(hidden)) if through_extra else hidden)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x, bool(x[0, 0] > 0)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("engine", ["sequential", "auto"])
+def test_a_parameter_a_replicas_loss_does_not_reach_is_not_stepped_for_it_as_plain_lightning_skips_it(
+    engine: str, accumulate: int
+) -> None:
+    """Plain Lightning's optimizer skips a parameter without a gradient (no weight decay, no momentum); so does each
+    replica's, for the steps in which its batches did not go through ``extra`` (others' did). Reference: k
+    independent modules and optimizers, each starting every step at z, z the mean of their weights after it
+    (scaled averaging with outer_lr=1)."""
+    k, steps, dataset = 2, 4, make_data(num_samples=8 * 2 * 4 * 2)
+    batches = list(loader(dataset))
+    through = [bool(x[0, 0] > 0) for x, _ in batches]
+    groups = [through[i : i + k * accumulate] for i in range(0, steps * k * accumulate, k * accumulate)]
+    assert any(len(set(group)) > 1 for group in groups)  # (the data make replicas differ within a step)
+    model = _BranchesOnTheData()
+    learners = [_BranchesOnTheData() for _ in range(k)]
+    optimizers = [learner.configure_optimizers() for learner in learners]
+    center = [p.detach().clone() for p in model.parameters()]
+    for step in range(steps):
+        for j, (learner, optimizer) in enumerate(zip(learners, optimizers)):
+            with torch.no_grad():
+                for p, z in zip(learner.parameters(), center):
+                    p.copy_(z)
+            optimizer.zero_grad(set_to_none=True)
+            for micro in range(accumulate):
+                x, y = batches[(step * accumulate + micro) * k + j]
+                (learner.training_step((x, y), 0) / accumulate).backward()
+            optimizer.step()
+        center = [torch.stack(rows).detach().mean(0) for rows in zip(*(list(lr.parameters()) for lr in learners))]
+    with pytest.warns(UserWarning, match="Falling back") if engine == "auto" else warnings.catch_warnings():
+        trainer(
+            strategy=CrossbowStrategy(replicas_per_device=k, engine=engine, outer_lr=1.0),
+            max_steps=steps,
+            accumulate_grad_batches=accumulate,
+        ).fit(model, loader(dataset))
+    for (name, p), z in zip(model.named_parameters(), center):
+        torch.testing.assert_close(p, z, msg=name)
+
+
 class _AutocastProbe(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.autocast_seen = torch.is_autocast_enabled("cpu")
