@@ -409,7 +409,7 @@ class CrossbowStrategy(DDPStrategy):
             Strategy.setup(self, trainer)
         except (MisconfigurationException, RuntimeError) as error:
             if "multiple optimizers" in str(error):  # Lightning's own advice (manual optimization) does not apply
-                raise RuntimeError(_ONE_OPTIMIZER.format(count="several")) from error
+                raise RuntimeError(_ONE_OPTIMIZER.format(count="more than one")) from error
             raise
         if self.world_size > 1:
             _sync_module_states(self.model)  # every rank starts from rank 0's weights

@@ -130,7 +130,7 @@ class _NeverTrains(L.Callback):
     ("model", "error", "pattern"),
     [
         (_Manual, RuntimeError, "automatic optimization only"),
-        (_TwoOptimizers, RuntimeError, "exactly one optimizer from configure_optimizers, got several"),
+        (_TwoOptimizers, RuntimeError, "exactly one optimizer from configure_optimizers, got more than one"),
         (_LBFGS, TypeError, "cannot use the optimizer LBFGS: it is not known to be element-wise"),
         (_Custom, TypeError, r"MySGD.*elementwise_optimizers=\[MySGD\]"),
         (_Lazy, ValueError, r"cannot replicate net.0.weight, net.0.bias: uninitialized \(a lazy module's"),
