@@ -552,7 +552,8 @@ class CrossbowStrategy(DDPStrategy):
         if dropped:
             batches = f"has {len(grouped) * batches_per_step + dropped} batches"
             if grouped.batch_limit is not None:  # (a fraction of them)
-                batches = f"gives {grouped.batch_limit} batches an epoch ({limit_argument(trainer)}={self._epoch.train_fraction})"
+                limit = f"{limit_argument(trainer)}={self._epoch.train_fraction}"
+                batches = f"gives {grouped.batch_limit} batches an epoch ({limit})"
             rank_zero_warn(
                 f"crossbow: the training DataLoader {batches}, not a multiple of {per_step}; the last {dropped}"
                 " batch(es) of every epoch do not fill a step and are skipped."
@@ -1513,8 +1514,9 @@ class CrossbowStrategy(DDPStrategy):
             ),
             # the batches of the last group counted there if its step has not ended (a save from an exception)
             "batches_in_flight": in_flight,
-            # the epoch's fractional validation checks done (EpochCounts.time_fractional_validation), that of a step that
-            # ended counted in: a resumed fit goes on from the next step, as plain Lightning does, skipping its check
+            # the epoch's fractional validation checks done (EpochCounts.time_fractional_validation), that of a step
+            # that ended counted in: a resumed fit goes on from the next step, as plain Lightning does, skipping its
+            # check
             "validation_checks_done": self._epoch.checks_to_save(step_ended=not in_flight),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
