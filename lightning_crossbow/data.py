@@ -155,6 +155,7 @@ _OWN_ATTRIBUTES = (
     "loader",
     "batch_limit",
     "_unfilled_warned",
+    "_a_pass_ended",
     "num_replicas",
     "groups_yielded",
     "batches_taken",
@@ -222,6 +223,7 @@ class ReplicaBatchLoader:
         #: Lightning counts it): those that fill no group are drawn all the same, as plain Lightning draws them.
         self.batch_limit: Optional[int] = None
         self._unfilled_warned = False
+        self._a_pass_ended = False  # (a pass's groups all made: its loader's length is known from then on)
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
         """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass.
@@ -255,12 +257,14 @@ class ReplicaBatchLoader:
             )
             self.batches_taken += len(group)
             if len(group) < size:
-                if group and self._pass_length is None and self.own_passes and self.batches_taken == len(group):
+                first_pass_short = not self._a_pass_ended and self.batches_taken == len(group)
+                self._a_pass_ended = True
+                if group and self._pass_length is None and self.own_passes and first_pass_short:
                     raise ValueError(  # (a loader with a length is refused before training: see the strategy)
-                        f"crossbow: a pass of the training DataLoader gave {len(group)} batch(es), fewer than the"
-                        f" {size} that one step takes (replicas_per_device={size}): not one step could be made. Use"
-                        f" at most replicas_per_device={len(group)}, or give the loader more batches (a smaller"
-                        " batch size)."
+                        f"crossbow: the first pass of the training DataLoader gave {len(group)} batch(es), fewer"
+                        f" than the {size} that one step takes (replicas_per_device={size}): not one step could be"
+                        f" made. Use at most replicas_per_device={len(group)}, or give the loader more batches (a"
+                        " smaller batch size)."
                     )
                 if group and self._pass_length is None and self.own_passes and not self._unfilled_warned:
                     self._unfilled_warned = True  # (a loader without a length: set-up could not say it)

@@ -94,6 +94,12 @@ class RowsReached:
         """Per stack that some backward reached, its rows that none did (True), where there are any."""
         return {name: [not row for row in rows] for name, rows in self._reached.items() if not all(rows)}
 
+    def resize(self, num_rows: int) -> None:
+        """The stacks now have ``num_rows`` rows, the first ones kept (a change of k within an accumulation window):
+        the new rows were reached by no backward so far."""
+        for name, rows in self._reached.items():
+            self._reached[name] = (rows + [False] * num_rows)[:num_rows]
+
     def clear(self) -> None:
         """Forgets what the backwards so far reached (an optimizer step begins)."""
         self._reached.clear()
@@ -326,6 +332,7 @@ class ReplicaStack:
             bucket.replicas = resize_rows(bucket.replicas, num_replicas, fill=bucket.center)
             bucket.corrections = torch.empty_like(bucket.replicas)
         self.buffers = {name: resize_rows(stack, num_replicas) for name, stack in self.buffers.items()}
+        self.rows_reached.resize(num_replicas)
         self.num_replicas = num_replicas
         self.params = {}
         for bucket, module_params in zip(self.buckets, self._module_params, strict=True):

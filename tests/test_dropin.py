@@ -784,10 +784,30 @@ def test_a_loader_without_a_length_and_fewer_batches_than_replicas_is_refused_at
     """Its length is learnt only as its first pass ends: then, not after epochs that made no step."""
     data = torch.utils.data.DataLoader(_Stream(make_data(num_samples=16)), batch_size=8)  # 2 batches
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2)
-    match = r"a pass of the training DataLoader gave 2 batch\(es\), fewer than the 3 .*at most replicas_per_device=2"
+    match = r"the first pass of the training DataLoader gave 2 batch\(es\), fewer than the 3 .*replicas_per_device=2"
     with pytest.raises(ValueError, match=match):
         fit.fit(Classifier(), data)
     assert fit.global_step == 0 and fit.current_epoch == 0
+
+
+class _PassesOf(torch.utils.data.IterableDataset):
+    """Passes of the given numbers of samples, one after another."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, lengths: list[int]) -> None:
+        self.dataset, self.lengths, self.passes = dataset, lengths, 0
+
+    def __iter__(self) -> Any:
+        length, self.passes = self.lengths[self.passes], self.passes + 1
+        return (self.dataset[i] for i in range(length))
+
+
+def test_a_later_pass_of_fewer_batches_than_replicas_is_skipped_with_a_warning() -> None:
+    """Once a pass made a step, a shorter one only skips its batches (the first pass alone proves a loader too short)."""
+    data = torch.utils.data.DataLoader(_PassesOf(make_data(num_samples=56), [56, 16, 40]), batch_size=8)  # 7, 2, 5
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=3)
+    with pytest.warns(UserWarning, match=r"ended with 1 batch\(es\) that do not fill a step of 3"):
+        fit.fit(Classifier(), data)
+    assert fit.global_step == 2 + 0 + 1 and fit.current_epoch == 3
 
 
 # --------------------------------------------------------------------------------- checkpoints

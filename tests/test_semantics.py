@@ -22,6 +22,7 @@ from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup
 from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialEngine, _stack_batches
 from lightning_crossbow.log_capture import LogCapture
+from lightning_crossbow.replicas import ReplicaStack
 from tests.helpers import (
     Classifier,
     ReplicaSnapshot,
@@ -907,6 +908,25 @@ def test_a_parameter_a_replicas_loss_does_not_reach_is_not_stepped_for_it_as_pla
         ).fit(model, loader(dataset))
     for (name, p), z in zip(model.named_parameters(), center):
         torch.testing.assert_close(p, z, msg=name)
+
+
+def test_the_rows_a_backward_reaches_are_noted_per_stack_and_follow_a_change_of_k() -> None:
+    """Rows reached by any backward of the step count as reached; after a change of k (kept rows first), new rows are
+    reached by no backward so far, and rows dropped are forgotten."""
+    stack = ReplicaStack(nn.Linear(2, 1), 2)
+    params = [replica for replica, _ in stack.unbind()]  # (one unbind per stack: its node notes the rows reached)
+    (params[0]["weight"].sum() + params[1]["bias"].sum()).backward()
+    assert stack.rows_reached.unreached() == {"weight": [False, True], "bias": [True, False]}
+    stack.resize_(3)
+    assert stack.rows_reached.unreached() == {"weight": [False, True, True], "bias": [True, False, True]}
+    params = [replica for replica, _ in stack.unbind()]
+    (params[2]["weight"].sum() + params[0]["bias"].sum()).backward()
+    assert stack.rows_reached.unreached() == {"weight": [False, True, False], "bias": [False, False, True]}
+    stack.resize_(1)
+    assert stack.rows_reached.unreached() == {}
+    stack.resize_(2)
+    stack.rows_reached.clear()
+    assert stack.rows_reached.unreached() == {}
 
 
 class _AutocastProbe(Classifier):
