@@ -98,7 +98,8 @@ class ReplicaAutoTuner(Callback):
             ``scaled_averaging`` rule it reached the benchmarks' accuracy targets sooner, see
             benchmarks/RESULTS.md) or ``"progress"`` (maximise the training loss's decrease per second).
         min_replicas, max_replicas: bounds on k (training starts at ``min_replicas`` at least, memory and the
-            epoch's length permitting; no window is measured outside them).
+            epoch's length permitting, with a warning where they do not; no other window is measured outside
+            them).
         window: steps per measurement, counted as Lightning counts a fit's batches: one per crossbow step of k
             batches (with ``accumulate_grad_batches=n``, n of them make one optimizer step).
         warmup: steps after each change that are not measured.
@@ -122,9 +123,11 @@ class ReplicaAutoTuner(Callback):
             changed, is revisited; ``None`` holds for good.
         clock: seconds as a float; tests inject one.
         plot: where to save a plot of k over time and samples/s per k when training ends (rank 0, needs
-            matplotlib): a file path (its suffix sets the format, as in matplotlib's ``savefig``: ``.png``,
-            ``.pdf``, ...; without one, ``.png`` is added; checked before training), ``None`` for
-            ``<trainer.log_dir>/replica_tuning.png``, or ``False``.
+            matplotlib): a file path (``~`` expanded; its suffix sets the format, as in matplotlib's ``savefig``:
+            ``.png``, ``.pdf``, ...; without one, ``.png`` is added; checked before training), ``None`` for
+            ``<trainer.log_dir>/replica_tuning.png``, or ``False``. An existing file is never overwritten: the
+            plot goes to the first free ``<name>-v1``, ``<name>-v2``, ... beside it (as ``ModelCheckpoint``
+            names its files), and the summary says where.
     """
 
     def __init__(
@@ -179,6 +182,9 @@ class ReplicaAutoTuner(Callback):
         # (validation, an epoch's end) starts a new run.
         self._window_losses: list[list[tuple[float, float]]] = []
         self._window_replicas: Optional[int] = None  # the k the window in progress measures (None: none yet)
+        self._window_restored = False  # whether that window came from a checkpoint (it then counts on)
+        #: The k the tuner last changed from, while steps still run at it (a group fetched before the change).
+        self._changing_from: Optional[int] = None
         self._windows_before_fit = self._step_at_fit_start = 0  # (set at each fit's start)
         #: "progress": where the A-B-A is ("before", "trial", "after"; see ``_decide_progress``).
         self._phase: Literal["before", "trial", "after"] = "before"
@@ -198,8 +204,10 @@ class ReplicaAutoTuner(Callback):
                 f" {type(trainer.strategy).__name__}. Use Trainer(strategy='crossbow')."
             )
         trainer.strategy.restore_replicas_per_device = True  # a resumed run carries on with the tuned k
+        if trainer.strategy.replicas_per_device > self.max_replicas:  # (before the training loader groups at it)
+            trainer.strategy.set_replicas_per_device(self.max_replicas)
         if self.plot:
-            _check_plot_path(Path(self.plot))
+            _check_plot_path(self.plot)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -207,7 +215,9 @@ class ReplicaAutoTuner(Callback):
         window is measured outside them. What the tuner carries from before this fit (a checkpoint's state, or
         this callback's earlier fit) goes on within this fit's bounds: a held k is trained at (clipped to the
         bounds), a search whose k fall outside them starts again from the k training starts at, and a window
-        measured at another k than that starts again."""
+        measured at another k than that starts again (a window restored from a checkpoint counts on at its k; one
+        left by this callback's earlier fit starts again: no window is measured across two fits). Where memory or
+        the epoch's length keep k below ``min_replicas``, a warning says so."""
         strategy = trainer.strategy
         self._last_step_end = None  # the interval up to the first step holds the fit's set-up
         self._windows_before_fit, self._step_at_fit_start = len(self.history), trainer.global_step
@@ -219,10 +229,16 @@ class ReplicaAutoTuner(Callback):
             start = min(max(k, min(self.min_replicas, self._ceiling(k, strategy))), self.max_replicas)
             if not self._search_within(self.min_replicas, self.max_replicas):
                 self._climb, self._phase, self._before, self._trial = Climb(), "before", None, None
+        if start < self.min_replicas:
+            rank_zero_warn(
+                f"crossbow ReplicaAutoTuner: min_replicas={self.min_replicas}, but training starts at k={start}:"
+                f" {self._what_bounds(start, strategy)}. Windows are measured from k={start}."
+            )
         if start != k:
-            strategy.set_replicas_per_device(start)  # (every rank, at the same point)
-        if self._window_replicas != start:
+            self._change(strategy, k, start)  # (every rank, at the same point)
+        if not self._window_restored or self._window_replicas != start:
             self._new_window()
+        self._window_restored = False
 
     def _search_within(self, lowest: int, highest: int) -> bool:
         """Whether every k the search in progress has judged or will judge lies in ``[lowest, highest]``."""
@@ -241,6 +257,10 @@ class ReplicaAutoTuner(Callback):
         strategy = trainer.strategy
         now, last = self.clock(), self._last_step_end
         self._last_step_end = now
+        if self._changing_from is not None:
+            if strategy.tuned_replicas_per_device == self._changing_from:
+                return  # a group fetched at the old k before the change (a loader without a length): not the new k's
+            self._changing_from = None
         self._steps_since_change += 1
         self._window_replicas = strategy.tuned_replicas_per_device
         if self._steps_since_change <= self.warmup or last is None or strategy.engine_measuring:
@@ -276,8 +296,25 @@ class ReplicaAutoTuner(Callback):
             (next_k, self.chosen, self._phase, self._climb), src=0
         )
         if next_k != k:
-            strategy.set_replicas_per_device(next_k)
+            self._change(strategy, k, next_k)
         self._new_window()
+
+    def _change(self, strategy: Any, k: int, new_k: int) -> None:
+        """Asks the strategy for ``new_k``; steps that still run at ``k`` (groups fetched before) are not measured."""
+        strategy.set_replicas_per_device(new_k)
+        self._changing_from = k if strategy.tuned_replicas_per_device == k else None
+
+    def _what_bounds(self, k: int, strategy: Any) -> str:
+        """Why k is at most ``k``: the first of the bounds of :meth:`_ceiling` that holds it there."""
+        if strategy.replica_ceiling is not None and strategy.replica_ceiling <= k:
+            return f"k={strategy.replica_ceiling + 1} ran out of memory"
+        fitting = strategy.replicas_fitting_an_epoch()
+        if fitting is not None and fitting <= k:
+            return (
+                "a larger k would leave more than a tenth of every epoch's batches out of its last, unfilled step"
+                " (give the training loader more batches, or lower min_replicas)"
+            )
+        return "more replicas would not fit twice in the free memory"
 
     def _hold_or_explore_again(self) -> None:
         """Counts a held step; after ``recheck_every`` windows' worth, explores again from the held k.
@@ -317,12 +354,11 @@ class ReplicaAutoTuner(Callback):
             if not self.history:
                 return
         # trainer.log_dir is a collective under several processes: every rank reads it.
-        path = Path(self.plot) if self.plot else Path(trainer.log_dir or ".") / "replica_tuning.png"
+        path = _plot_file(self.plot) if self.plot else Path(trainer.log_dir or ".") / "replica_tuning.png"
         if trainer.is_global_zero:
             k = trainer.strategy.replicas_per_device
-            rank_zero_info(self.summary(current=k))
-            if self.plot is not False:
-                self.save_plot(path, end=(trainer.global_step, k))
+            saved = self.save_plot(_free_path(path), end=(trainer.global_step, k)) if self.plot is not False else None
+            rank_zero_info(self.summary(current=k) + (f"\nPlot: {saved}" if saved is not None else ""))
 
     # ------------------------------------------------------------------------------ policy
     def _decide(self, k: int, strategy: Any) -> int:
@@ -540,6 +576,7 @@ class ReplicaAutoTuner(Callback):
         self._trial = TuningRecord(**state_dict["trial"]) if state_dict.get("trial") else None
         self._new_window()
         window = state_dict.get("window")  # (the window in progress: its steps so far count on after a resume)
+        self._window_restored = window is not None
         if window is not None:
             self._steps_since_change, self._window_steps = window["steps_since_change"], window["steps"]
             self._window_samples, self._window_seconds = window["samples"], window["seconds"]
@@ -559,29 +596,49 @@ def _mean_loss(outputs: Any) -> Optional[float]:
     return float(loss) if loss is not None else None
 
 
-def _check_plot_path(path: Path) -> None:
-    """Refuses, before training, a plot path that names a directory, lies under a file, or whose suffix names a
-    format matplotlib does not write (where matplotlib is installed)."""
+def _plot_file(plot: Union[str, os.PathLike]) -> Path:
+    """The file a ``plot`` argument names: ``~`` expanded, ``.png`` added where it has no suffix (as ``savefig``
+    adds it)."""
+    path = Path(plot).expanduser()
+    return path if path.suffix else path.with_name(path.name + ".png")
+
+
+def _free_path(path: Path) -> Path:
+    """``path`` if no file is there, else the first free ``<stem>-v1<suffix>``, ``<stem>-v2<suffix>``, ...: a file
+    already there (the user's, or an earlier fit's plot) is never overwritten."""
+    candidate, version = path, 0
+    while candidate.exists():
+        version += 1
+        candidate = path.with_name(f"{path.stem}-v{version}{path.suffix}")
+    return candidate
+
+
+def _check_plot_path(plot: Union[str, os.PathLike]) -> None:
+    """Refuses, before training, a plot path that names a directory (as given, or with the ``.png`` that
+    :func:`_plot_file` adds), lies under a file, or whose suffix names a format matplotlib does not write (where
+    matplotlib is installed)."""
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         formats = None
     else:
         formats = FigureCanvasBase.get_supported_filetypes()
-    if formats is not None and path.suffix and path.suffix[1:].lower() not in formats:
+    given, path = Path(plot).expanduser(), _plot_file(plot)
+    if formats is not None and path.suffix[1:].lower() not in formats:
         raise ValueError(
-            f"ReplicaAutoTuner(plot={str(path)!r}): matplotlib writes no {path.suffix!r} files; give one of"
+            f"ReplicaAutoTuner(plot={str(plot)!r}): matplotlib writes no {path.suffix!r} files; give one of"
             f" {', '.join('.' + name for name in sorted(formats))}."
         )
-    if path.is_dir():
-        raise ValueError(
-            f"ReplicaAutoTuner(plot={str(path)!r}) names a directory; give the file to write, such as"
-            f" {str(path / 'replica_tuning.png')!r}."
-        )
+    for directory in (given, path):
+        if directory.is_dir():
+            raise ValueError(
+                f"ReplicaAutoTuner(plot={str(plot)!r}) names a directory ({str(directory)!r}); give the file to"
+                f" write, such as {str(given / 'replica_tuning.png')!r}."
+            )
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise ValueError(f"ReplicaAutoTuner(plot={str(path)!r}) lies under {str(parent)!r}, which is a file.")
+                raise ValueError(f"ReplicaAutoTuner(plot={str(plot)!r}) lies under {str(parent)!r}, which is a file.")
             return
 
 

@@ -509,17 +509,68 @@ class _Stream(torch.utils.data.IterableDataset):
         return (self.data[i] for i in range(len(self.data)))
 
 
-def test_the_tuner_changes_k_over_a_loader_without_a_length() -> None:
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_the_tuner_changes_k_over_a_loader_without_a_length(warmup: int) -> None:
+    """Lightning fetches such a loader's next group before the step that changes k: the first step after a change
+    still runs at the old k, and is not measured as the new k's (without warm-up steps, it would be)."""
     clock, sizes = FakeClock(), _GroupSizes()
-    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock, plot=False)
+    tuner = ReplicaAutoTuner(window=4, warmup=warmup, threshold=0.1, clock=clock, plot=False)
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[clock, tuner, sizes], max_steps=30)
     fit.fit(Classifier(), DataLoader(_Stream(800), batch_size=8))
     assert [r.replicas_per_device for r in tuner.history][:4] == [1, 2, 3, 4] and max(sizes.sizes) >= 4
+    assert all(r.samples_per_sec == pytest.approx(throughput(r.replicas_per_device) * 8) for r in tuner.history)
 
 
 class _SkipsAStep(ScriptedLoss):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         return None if batch_idx == 7 else super().training_step(batch, batch_idx)
+
+
+class _SlowerClock(FakeClock):
+    """``FakeClock`` with every step ``slower`` times as long."""
+
+    slower = 1.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.now += step_seconds(len(args[1])) * self.slower
+
+
+def test_a_window_is_not_measured_across_two_fits_of_one_trainer() -> None:
+    """A fit that stops inside a window at k=3, then a second fit of the same trainer at that k, on a device now
+    twice as slow: the second fit's windows hold its own steps only."""
+    clock = _SlowerClock()
+    tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock, plot=False)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[clock, tuner], max_steps=13, max_epochs=-1
+    )
+    data = loader(make_data(num_samples=800))
+    fit.fit(Classifier(), data)
+    measured = len(tuner.history)
+    assert fit.strategy.replicas_per_device == 3 and tuner._window_steps > 0  # (stopped inside a window at k=3)
+    clock.slower = 2.0
+    fit.fit_loop.epoch_loop.max_steps = 30
+    fit.fit(fit.lightning_module, data)
+    assert len(tuner.history) > measured
+    rates = [(r.replicas_per_device, r.samples_per_sec) for r in tuner.history[measured:]]
+    assert all(rate == pytest.approx(throughput(k) * 8 / 2.0) for k, rate in rates)
+
+
+def test_a_min_replicas_that_the_epoch_cannot_hold_is_warned_of() -> None:
+    """20 batches an epoch: k above 6 would leave more than a tenth of them out of the last step."""
+    tuner = ReplicaAutoTuner(min_replicas=8, max_replicas=8, window=4, warmup=1, plot=False)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner], max_steps=6)
+    with pytest.warns(UserWarning, match=r"min_replicas=8, but training starts at k=6: a larger k would leave"):
+        fit.fit(Classifier(), loader(make_data(num_samples=160)))
+    assert fit.strategy.replicas_per_device == 6
+
+
+def test_a_starting_k_above_max_replicas_is_lowered_before_the_loader_groups_at_it(recwarn) -> None:
+    """100 batches at k=8 would skip 4 of them each epoch (a warning); at max_replicas=4 none are skipped."""
+    tuner = ReplicaAutoTuner(max_replicas=4, window=4, warmup=1, plot=False)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=8), callbacks=[tuner], max_steps=3)
+    fit.fit(Classifier(), loader(make_data(num_samples=800)))
+    assert fit.strategy.replicas_per_device == 4
+    assert not [w for w in recwarn if "do not fill a step" in str(w.message)]
 
 
 def test_the_progress_objective_leaves_out_a_step_every_replica_skipped(tmp_path) -> None:
@@ -548,8 +599,10 @@ def test_a_tuner_that_measured_no_window_says_so() -> None:
 
 def test_a_plot_path_that_cannot_be_written_is_refused_before_training(tmp_path) -> None:
     (tmp_path / "a_file").write_text("")
+    (tmp_path / "figure.png").mkdir()
     for plot, message in (
-        (tmp_path, "names a directory; give the file to write, such as"),
+        (tmp_path, r"names a directory \(.*\); give the file to write, such as"),
+        (tmp_path / "figure", r"names a directory \('.*figure.png'\)"),  # (the .png added to a name without a suffix)
         (tmp_path / "a_file" / "tuning.png", "lies under .*a_file', which is a file"),
         (tmp_path / "tuning.xyz", r"matplotlib writes no '.xyz' files; give one of .*\.pdf, .*\.png"),
     ):
@@ -557,6 +610,23 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_training(tmp_path)
         with pytest.raises(ValueError, match=message):
             fit.fit(Classifier(), loader(make_data()))
         assert fit.global_step == 0
+
+
+def test_the_plot_never_overwrites_a_file_and_expands_the_home_folder(tmp_path, monkeypatch) -> None:
+    """A file already where the plot goes (the user's, or an earlier fit's plot) stays as it was: the plot goes to
+    the first free ``-v1``, ``-v2``, ... beside it; ``~`` is the home folder, as for ModelCheckpoint's dirpath."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "tuning.png").write_text("the user's own figure")
+    for _ in range(2):
+        clock = FakeClock()
+        tuner = ReplicaAutoTuner(window=4, warmup=1, clock=clock, plot="~/tuning.png")
+        trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[clock, tuner], max_steps=12).fit(
+            Classifier(), loader(make_data(num_samples=400))
+        )
+    assert (tmp_path / "tuning.png").read_text() == "the user's own figure"
+    for written in ("tuning-v1.png", "tuning-v2.png"):
+        assert (tmp_path / written).read_bytes().startswith(b"\x89PNG")
+    assert not (Path.cwd() / "~").exists()
 
 
 def test_the_tuner_needs_the_crossbow_strategy() -> None:
