@@ -221,6 +221,8 @@ class CrossbowStrategy(DDPStrategy):
         _check_lightning_arguments(lightning_arguments)
         super().__init__(**lightning_arguments)
         self.replicas_per_device = int(replicas_per_device)
+        #: The k this strategy was made with (``replicas_per_device`` follows the changes made during fit).
+        self._configured_replicas_per_device = self.replicas_per_device
         self.algorithm = algorithm
         self._alpha = None if alpha is None else float(alpha)
         self.central_momentum = self.averaging.central_momentum
@@ -1502,6 +1504,8 @@ class CrossbowStrategy(DDPStrategy):
             "version": _CHECKPOINT_VERSION,
             "algorithm": self.algorithm,
             "replicas_per_device": self.replicas_per_device,
+            # the k the strategy was made with: a resume made alike carries on with a k changed during fit
+            "configured_replicas_per_device": self._configured_replicas_per_device,
             # the k of the next group, when a change of k is under way (the replicas follow at that group)
             "next_replicas_per_device": (
                 self._grouped.num_replicas if self._grouped is not None and self.routing is None else None
@@ -1581,7 +1585,7 @@ class CrossbowStrategy(DDPStrategy):
             ceiling = state.get("replica_ceiling") if state is not None else None
             if ceiling is not None:  # the run backed off after running out of memory: it stays below
                 self.replica_ceiling = min(ceiling, self.replica_ceiling or ceiling)
-            carry_on = self.restore_replicas_per_device or (ceiling is not None and self.replicas_per_device > ceiling)
+            carry_on = self._carries_on_the_k_of(state) or (ceiling is not None and self.replicas_per_device > ceiling)
             if even and carry_on and state["replicas_per_device"] != self.replicas_per_device:
                 self._resize_replicas(state["replicas_per_device"])  # a tuned, or backed-off, k (per device) carries on
             if even and carry_on and state.get("next_replicas_per_device") not in (None, state["replicas_per_device"]):
@@ -1642,6 +1646,14 @@ class CrossbowStrategy(DDPStrategy):
             f" world_size={self.world_size}: the replicas were re-seeded from the central model and {optimizer_state}."
         )
 
+    def _carries_on_the_k_of(self, state: Optional[Mapping[str, Any]]) -> bool:
+        """Whether a resume goes on with the checkpoint's k (instead of re-seeding the replicas at this strategy's):
+        where k is tuned, or where this strategy was made with the k of the one that saved it (a k changed during
+        that fit, by hand, carries on, as in the run that went on). A strategy made with another k re-seeds at it."""
+        return self.restore_replicas_per_device or (
+            state is not None and state.get("configured_replicas_per_device") == self._configured_replicas_per_device
+        )
+
     def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:
         """Heterogeneous mode: carries on with the checkpoint's learners per rank when it has as many ranks
         and, unless k is tuned, as many learners in all; returns whether it did."""
@@ -1650,7 +1662,7 @@ class CrossbowStrategy(DDPStrategy):
             return False
         # (a checkpoint of the uniform path holds an even split)
         split = tuple(state["split"]) if state.get("split") else (state["replicas_per_device"],) * self.world_size
-        if sum(split) != self.num_learners and not self.restore_replicas_per_device:
+        if sum(split) != self.num_learners and not self._carries_on_the_k_of(state):
             return False
         self.routing.restart(split)
         self._split = split
@@ -1663,6 +1675,8 @@ class CrossbowStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
+        if self.stack is not None and self._final_state is None:
+            self._keep_state_of_a_failed_fit()
         if self.routing is not None:  # a later fit starts from the mean k at an even split, on every rank alike
             self.replicas_per_device = self.tuned_replicas_per_device
             self.routing = None
@@ -1696,6 +1710,20 @@ class CrossbowStrategy(DDPStrategy):
         if self._lightning_module is not None:
             vars(self._lightning_module).pop("_on_before_batch_transfer", None)
         super().teardown()
+
+    def _keep_state_of_a_failed_fit(self) -> None:
+        """A fit that ended by an error (``on_train_end`` did not run): the replicas' state is kept, as there, so that
+        ``trainer.save_checkpoint`` after it saves what ``OnExceptionCheckpoint`` would have. On one process only: on
+        several, the other ranks may never reach the gather it takes."""
+        if self.world_size > 1:
+            return
+        try:
+            self._final_state = self._strategy_state()
+        except Exception as error:  # noqa: BLE001 - the fit's own error is the one to raise, not this one
+            rank_zero_warn(
+                "crossbow: after the fit's error, the replicas' state could not be kept"
+                f" ({type(error).__name__}: {error}); a checkpoint saved now holds the central model alone."
+            )
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:

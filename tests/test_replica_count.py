@@ -290,6 +290,74 @@ def test_at_one_replica_a_resume_from_an_exception_validates_as_plain_lightning(
     assert validated["crossbow"] == validated["plain"]
 
 
+class _RaisesAfterStep(L.Callback):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            raise RuntimeError("stopped after a step")
+
+
+def test_a_checkpoint_saved_after_a_fit_that_raised_resumes_the_same_trajectory(tmp_path: Path) -> None:
+    """No OnExceptionCheckpoint: the user catches the error and calls trainer.save_checkpoint. The checkpoint holds
+    the replicas and their optimizer state, as one saved after a fit that ended, and the resumed fit trains as the
+    uninterrupted one, bitwise (a loader that saves its place; Adam, whose moments are per replica)."""
+
+    def fit(callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
+        run = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2, callbacks=callbacks)
+        run.fit(Classifier(optimizer="adam"), ResumableLoader(make_data(num_samples=96), batch_size=8), **kwargs)
+        return run
+
+    uninterrupted = fit([])
+    with pytest.raises(RuntimeError, match="stopped after a step"):
+        interrupted = trainer(
+            strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=2, callbacks=[_RaisesAfterStep(6)]
+        )
+        interrupted.fit(Classifier(optimizer="adam"), ResumableLoader(make_data(num_samples=96), batch_size=8))
+    interrupted.save_checkpoint(tmp_path / "after_the_error.ckpt")
+    assert "crossbow" in torch.load(tmp_path / "after_the_error.ckpt", weights_only=False)
+    resumed = fit([], ckpt_path=tmp_path / "after_the_error.ckpt")
+    for p, q in zip(uninterrupted.lightning_module.parameters(), resumed.lightning_module.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(("resumed_k", "carries_on"), [(3, True), (4, False)])
+def test_a_k_changed_by_hand_carries_on_in_a_resume_made_alike(
+    tmp_path: Path, resumed_k: int, carries_on: bool
+) -> None:
+    """k=3 changed to 2 at batch 2 by a callback; a checkpoint at step 4. Resumed with the strategy made as before
+    (replicas_per_device=3), the fit goes on at k=2, bitwise as the run that went on; made with another k, it
+    re-seeds the replicas at that k, with a warning."""
+
+    def fit(k: int, saves: list[ModelCheckpoint], ckpt_path: Any = None) -> tuple[L.Trainer, ChangeReplicasAtBatch]:
+        change = ChangeReplicasAtBatch(at_step=2, new_k=2)
+        run = trainer(
+            strategy=CrossbowStrategy(replicas_per_device=k),
+            max_epochs=1,
+            callbacks=[change, *saves],
+            enable_checkpointing=bool(saves),
+        )
+        run.fit(
+            Classifier(optimizer="adam"), ResumableLoader(make_data(num_samples=192), batch_size=8), ckpt_path=ckpt_path
+        )
+        return run, change
+
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    uninterrupted, _ = fit(3, [saves])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed, change = fit(resumed_k, [], ckpt_path=tmp_path / "step=4.ckpt")
+    reseeded = [w for w in caught if "the replicas were re-seeded" in str(w.message)]
+    assert change.group_sizes and set(change.group_sizes) == ({2} if carries_on else {resumed_k})
+    assert bool(reseeded) is not carries_on
+    same = [
+        torch.equal(p, q)
+        for p, q in zip(uninterrupted.lightning_module.parameters(), resumed.lightning_module.parameters())
+    ]
+    assert all(same) is carries_on
+
+
 def test_changing_k_between_two_accumulated_batches_is_refused() -> None:
     change = ChangeReplicasAtBatch(at_step=2, new_k=4)  # batch 2 opens an accumulation window of 2
     fit = trainer(
@@ -988,24 +1056,35 @@ def test_a_resumed_epoch_whose_loader_is_made_before_the_restore_and_again_when_
     assert validations.at == [(1, 9)]
 
 
+@pytest.mark.parametrize("resumed_alike", [True, False])
 def test_a_checkpoint_of_the_step_that_a_larger_k_made_the_epochs_last_resumes_at_the_next_epochs_start(
-    tmp_path,
+    tmp_path, resumed_alike: bool
 ) -> None:
     """10 batches at k=2; k=3 asked for after step 4 leaves 2 batches, which fill no step: step 4 ends the epoch, and
-    a checkpoint is saved there. Resumed at k=2, the next epoch has all of its 5 steps and a whole pass of batches,
-    as plain Lightning resumes from an epoch's last step (Lightning alone, seeing 4 steps done of the 5 an epoch has
-    at k=2, began the next epoch at its fifth)."""
-    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
-    change = ChangeReplicasAtBatch(at_step=3, new_k=3)
-    saved = trainer(strategy=CrossbowStrategy(2), callbacks=[change, saves], max_epochs=1, enable_checkpointing=True)
+    a checkpoint is saved there. Resumed with the strategy made alike, the next epoch goes on at k=3, a whole pass
+    of batches (3 steps). Resumed at k=2 from the epoch-end checkpoint of a run at k=3 (3 steps), the next epoch has
+    all of its 5 steps and a whole pass of batches, as plain Lightning resumes from an epoch's last step (Lightning
+    alone, seeing 3 steps done of the 5 an epoch has at k=2, began the next epoch at its fourth)."""
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4 if resumed_alike else 3)
+    change = ChangeReplicasAtBatch(at_step=3 if resumed_alike else -1, new_k=3)
+    saved = trainer(
+        strategy=CrossbowStrategy(2 if resumed_alike else 3),
+        callbacks=[change, saves],
+        max_epochs=1,
+        enable_checkpointing=True,
+    )
     saved.fit(Classifier(), loader(make_data(num_samples=80)))
-    assert change.group_sizes == [2, 2, 2, 2]
+    steps_saved = 4 if resumed_alike else 3
+    assert change.group_sizes == ([2] * 4 if resumed_alike else [3] * 3)
     group_sizes, samples = ChangeReplicas(at_step=-1, new_k=0), BatchesSeen()
     resumed = trainer(strategy=CrossbowStrategy(2), callbacks=[group_sizes, samples], max_epochs=2)
-    resumed.fit(Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / "step=4.ckpt")
-    assert group_sizes.group_sizes == [2] * 5
-    assert list(samples.epochs) == [1] and len(samples.epochs[1]) == 10
-    assert resumed.global_step == 4 + 5
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*the replicas were re-seeded")  # (at another k)
+        resumed.fit(Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / f"step={steps_saved}.ckpt")
+    k = 3 if resumed_alike else 2
+    assert group_sizes.group_sizes == [k] * (10 // k)
+    assert list(samples.epochs) == [1] and len(samples.epochs[1]) == 10 // k * k
+    assert resumed.global_step == steps_saved + 10 // k
 
 
 def test_a_change_of_k_at_an_epochs_last_step_holds_when_the_loader_is_reloaded() -> None:
