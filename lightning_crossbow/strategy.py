@@ -1552,7 +1552,8 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
         state = checkpoint.get(_CHECKPOINT_KEY)
         optimizer = self.optimizers[0]
-        saved_optimizer = checkpoint["optimizer_states"][0]
+        # (none in a checkpoint saved before configure_optimizers made the optimizer: a fit that failed there)
+        saved_optimizer = checkpoint["optimizer_states"][0] if checkpoint.get("optimizer_states") else None
         counts = state.get("pass_counts") if state is not None else None
         trainer = self.lightning_module.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
@@ -1611,6 +1612,8 @@ class CrossbowStrategy(DDPStrategy):
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self._center_stale = True
             return
+        if saved_optimizer is None:
+            return  # nothing trained: the replicas are copies of the checkpoint's z and start afresh, as plain Lightning
         if len(saved_optimizer["param_groups"]) != len(optimizer.param_groups):
             raise ValueError(
                 f"crossbow: the checkpoint's optimizer has {len(saved_optimizer['param_groups'])} param group(s) and"

@@ -251,6 +251,7 @@ def main() -> None:
         max_epochs=args.epochs,
         use_distributed_sampler=args.distributed_sampler,
         logger=False,
+        default_root_dir=args.out,  # (what the run writes by default, the tuner's plot, stays in the test's folder)
         enable_checkpointing=bool(args.checkpoint_dir),
         enable_progress_bar=False,
         enable_model_summary=False,

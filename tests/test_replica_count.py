@@ -322,6 +322,26 @@ def test_a_checkpoint_saved_after_a_fit_that_raised_resumes_the_same_trajectory(
         assert torch.equal(p, q)
 
 
+class _NoOptimizerYet(Classifier):
+    def configure_optimizers(self) -> Any:
+        raise RuntimeError("no optimizer yet")
+
+
+def test_a_checkpoint_saved_before_the_optimizer_was_made_resumes_as_a_fresh_fit(tmp_path: Path) -> None:
+    """A fit that failed in configure_optimizers, saved by the user: no optimizer state, no crossbow state. Resumed,
+    it trains as a fresh fit does, as plain Lightning's."""
+    failed = trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=1)
+    with pytest.raises(RuntimeError, match="no optimizer yet"):
+        failed.fit(_NoOptimizerYet(), loader(make_data(num_samples=96)))
+    failed.save_checkpoint(tmp_path / "no_optimizer.ckpt")
+    runs = []
+    for ckpt_path in (None, tmp_path / "no_optimizer.ckpt"):
+        runs.append(trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_epochs=1))
+        runs[-1].fit(Classifier(), loader(make_data(num_samples=96)), ckpt_path=ckpt_path)
+    for p, q in zip(runs[0].lightning_module.parameters(), runs[1].lightning_module.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize(("resumed_k", "carries_on"), [(3, True), (4, False)])
 def test_a_k_changed_by_hand_carries_on_in_a_resume_made_alike(
     tmp_path: Path, resumed_k: int, carries_on: bool
