@@ -512,13 +512,34 @@ def test_an_error_under_vmap_keeps_its_type_and_says_where_it_came_from_under_th
         )
 
 
-def test_the_steps_own_error_under_auto_is_raised_without_a_fallback_warning() -> None:
+class _ChangesASavedTensor(Classifier):
+    """Its own bug: it changes in place a tensor that autograd saved for the backward (the error names its shape,
+    ``[4, 8]`` for one replica's, ``[4, 4, 8]`` under vmap)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        hidden = torch.tanh(self.net[0](x))
+        hidden.mul_(2.0)
+        return F.cross_entropy(self.net[2](hidden), y)
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "match"),
+    [
+        (_RaisesItsOwnError, _RaisesItsOwnError.BadBatch, "refuses"),
+        (_ChangesASavedTensor, RuntimeError, "modified by an inplace operation"),  # (raised in the backward)
+    ],
+    ids=["in the forward", "in the backward"],
+)
+def test_the_steps_own_error_under_auto_is_raised_without_a_fallback_warning(
+    model: type, error: type, match: str
+) -> None:
     """An error that the sequential run of the step raises too is the step's own, not vmap's: it reaches the user as
     it is, without the warning that the step cannot run fused."""
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine="auto"), max_epochs=1)
-    with warnings.catch_warnings(record=True) as caught, pytest.raises(_RaisesItsOwnError.BadBatch, match="refuses"):
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(error, match=match):
         warnings.simplefilter("always")
-        fit.fit(_RaisesItsOwnError(), loader(make_data(num_samples=128)))
+        fit.fit(model(), loader(make_data(num_samples=128)))
     assert not [w for w in caught if "cannot run fused" in str(w.message)]
 
 
