@@ -552,15 +552,15 @@ class FusedOrSequentialEngine(Engine):
         return self.active is self.sequential
 
 
+#: A shape in an error message: ``[4, 16]``, ``[3]``, ``[]``.
+_SHAPES = re.compile(r"\[[\d, ]*\]")
+
+
 def _same_error(again: BaseException, error: BaseException) -> bool:
     """Whether the sequential run raised what the fused attempt raised (the step's own error, not ``vmap``'s doing):
     the same type and message, but for the shapes it names (``[3, 4, 16]`` under ``vmap`` is ``[4, 16]`` for one
     replica, as in autograd's "modified by an inplace operation")."""
     return type(again) is type(error) and _SHAPES.sub("[...]", str(again)) == _SHAPES.sub("[...]", str(error))
-
-
-#: A shape in an error message: ``[4, 16]``, ``[3]``, ``[]``.
-_SHAPES = re.compile(r"\[[\d, ]*\]")
 
 
 def keep_replaced_buffers(stack: ReplicaStack, replaced: Mapping[str, Any]) -> None:
