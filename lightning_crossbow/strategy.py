@@ -292,6 +292,7 @@ class CrossbowStrategy(DDPStrategy):
         self._fastest_engine: dict[int, str] = {}
         self._engine_trial_step = False
         self._transfer_per_batch = False  # set at set-up: whether the batch-transfer hooks are the user's own
+        self._before_transfer_per_batch = False  # set at set-up: whether on_before_batch_transfer is the user's
         #: SIGTERM agreed in the averaging's all-reduce instead of Lightning's per-batch broadcast (multi-process fit).
         self._sigterm_vote = SigtermVote()
 
@@ -463,11 +464,13 @@ class CrossbowStrategy(DDPStrategy):
             self.balancer.history = [(0, self._split)]
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_per_replica  # type: ignore[method-assign]
         hooks_owners = [module, trainer.datamodule] if trainer.datamodule is not None else [module]
-        if any(is_overridden("on_before_batch_transfer", owner) for owner in hooks_owners):
-            # Lightning's loop hands the whole group to on_before_batch_transfer: one batch at a time instead.
-            per_batch = MethodType(_on_before_batch_transfer, module)
-            module._on_before_batch_transfer = per_batch  # type: ignore[method-assign]
         self._transfer_per_batch = any(is_overridden(hook, owner) for hook in _TRANSFER_HOOKS for owner in hooks_owners)
+        self._before_transfer_per_batch = any(is_overridden("on_before_batch_transfer", o) for o in hooks_owners)
+        if self._before_transfer_per_batch:
+            # Lightning's loop hands the whole group to on_before_batch_transfer: one batch at a time instead, each
+            # right before its own transfer where the transfer hooks are the user's too (see batch_to_device).
+            hook = _group_as_it_is if self._transfer_per_batch else _on_before_batch_transfer
+            module._on_before_batch_transfer = MethodType(hook, module)  # type: ignore[method-assign]
         self._last_lrs = self._lrs_before_last = None
         self._final_state = None
 
@@ -1732,12 +1735,18 @@ class CrossbowStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Moves a group of the replicas' batches batch by batch when the module (or datamodule) has its own
         ``transfer_batch_to_device`` or ``on_after_batch_transfer`` hook, so that it sees one batch at a time, as in
-        plain Lightning; with Lightning's default hooks the group moves in one pass (batches that are tuples or lists
-        of tensors: each tensor as Lightning's default moves it, without walking the group)."""
+        plain Lightning, and in plain Lightning's order: each batch's ``on_before_batch_transfer`` (where it is the
+        user's), transfer and ``on_after_batch_transfer`` before the next batch's; with Lightning's default hooks the
+        group moves in one pass (batches that are tuples or lists of tensors: each tensor as Lightning's default moves
+        it, without walking the group)."""
         if isinstance(batch, ReplicaGroup):
             if self._transfer_per_batch:
+                module = self.lightning_module
+                before = type(module)._on_before_batch_transfer if self._before_transfer_per_batch else None
+                move = super(CrossbowStrategy, self).batch_to_device
                 return ReplicaGroup(
-                    super(CrossbowStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch
+                    move(b if before is None else before(module, b, dataloader_idx), device, dataloader_idx)
+                    for b in batch
                 )
             if tensor_sequences(batch):
                 target = self.root_device if device is None else torch.device(device)
@@ -1782,6 +1791,15 @@ def _moved_tensors(batch: Union[tuple[Tensor, ...], list[Tensor]], device: torch
     if device.type in ("cpu", "mps"):
         return type(batch)(tensor.to(device) for tensor in batch)
     return type(batch)(tensor.to(device, non_blocking=True) for tensor in batch)
+
+
+def _group_as_it_is(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:
+    """The module's ``on_before_batch_transfer`` dispatch for a fit whose transfer hooks are the user's: a group of
+    the replicas' batches passes as it is (:meth:`CrossbowStrategy.batch_to_device` calls the hook batch by batch,
+    each before its own transfer); any other batch goes to the hook. Bound to the module during fit."""
+    if isinstance(batch, ReplicaGroup):
+        return batch
+    return type(module)._on_before_batch_transfer(module, batch, dataloader_idx)
 
 
 def _on_before_batch_transfer(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:

@@ -137,13 +137,15 @@ class _TransferHooks(Classifier):
 
 
 def test_batch_transfer_hooks_see_one_batch_at_a_time() -> None:
-    """As in plain Lightning, each hook gets one (x, y) batch, and training sees what the hooks return."""
+    """As in plain Lightning, each hook gets one (x, y) batch, the three of them batch by batch in plain Lightning's
+    order, and training sees what the hooks return."""
     model, hooked = _TransferHooks(), ReplicaSnapshot()
     trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), callbacks=[hooked]).fit(
         model, loader(make_data())
     )
-    one_step = [("before", (8, 6))] * 2 + [("transfer", (8, 6)), ("after", (8, 6))] * 2
-    assert model.seen == one_step * 5
+    plain_lightning = _TransferHooks()
+    trainer().fit(plain_lightning, loader(make_data()))
+    assert model.seen == plain_lightning.seen == [("before", (8, 6)), ("transfer", (8, 6)), ("after", (8, 6))] * 10
     assert "_on_before_batch_transfer" not in vars(model)  # the fit's per-batch dispatch is gone afterwards
     data = make_data()
     transformed, plain = TensorDataset(data.tensors[0] * 2 + 1, data.tensors[1]), ReplicaSnapshot()
@@ -176,7 +178,7 @@ class _HookedData(L.LightningDataModule):
 def test_a_datamodules_batch_transfer_hooks_see_one_batch_at_a_time() -> None:
     data = _HookedData()
     trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_steps=2).fit(Classifier(), datamodule=data)
-    assert data.seen == ([("before", (8, 6))] * 2 + [("after", (8, 6))] * 2) * 2
+    assert data.seen == [("before", (8, 6)), ("after", (8, 6))] * 4  # (plain Lightning's order, batch by batch)
 
 
 @dataclasses.dataclass
