@@ -259,15 +259,16 @@ class ReplicaBatchLoader:
             if len(group) < size:
                 first_pass_short = not self._a_pass_ended and self.batches_taken == len(group)
                 self._a_pass_ended = True
-                if group and self._pass_length is None and self.own_passes and first_pass_short:
+                unfilled = bool(group) and self._pass_length is None and self.own_passes  # (a loader without a length)
+                if unfilled and first_pass_short:
                     raise ValueError(  # (a loader with a length is refused before training: see the strategy)
                         f"crossbow: the first pass of the training DataLoader gave {len(group)} batch(es), fewer"
                         f" than the {size} that one step takes (replicas_per_device={size}): not one step could be"
                         f" made. Use at most replicas_per_device={len(group)}, or give the loader more batches (a"
                         " smaller batch size)."
                     )
-                if group and self._pass_length is None and self.own_passes and not self._unfilled_warned:
-                    self._unfilled_warned = True  # (a loader without a length: set-up could not say it)
+                if unfilled and not self._unfilled_warned:
+                    self._unfilled_warned = True  # (set-up could not say it)
                     rank_zero_warn(
                         f"crossbow: a pass of the training DataLoader ended with {len(group)} batch(es) that do not"
                         f" fill a step of {size}; they are skipped, at the end of every pass."
