@@ -57,6 +57,27 @@ class Classifier(L.LightningModule):
         return optimizer
 
 
+class BranchesOnTheData(L.LightningModule):
+    """A layer ``extra`` that a batch goes through only where its first input is positive (a branch on the data:
+    in one step some replicas use it and others not), trained with momentum and weight decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.extra, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor, through_extra: bool) -> Tensor:
+        hidden = torch.tanh(self.a(x))
+        return self.head(torch.tanh(self.extra(hidden)) if through_extra else hidden)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x, bool(x[0, 0] > 0)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)

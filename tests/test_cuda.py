@@ -25,6 +25,7 @@ from lightning_crossbow import CrossbowAccelerator, CrossbowStrategy, ReplicaAut
 from lightning_crossbow.accelerator import device_memory
 from lightning_crossbow.engines import FastestEngine, StreamsEngine
 from tests.helpers import (
+    BranchesOnTheData,
     Classifier,
     ReplicaSnapshot,
     assert_one_replica_is_plain_lightning,
@@ -217,6 +218,23 @@ def test_z_s_buffers_are_the_replicas_mean_after_every_step_on_cuda(engine: str)
     fit.fit(BatchNormNet(), loader(make_data(num_samples=96)))
     assert len(check.differences) == 2 * 2 * 4  # two buffers, two epochs of four steps (12 batches, k=3)
     assert max(check.differences) < 1e-6
+
+
+@pytest.mark.parametrize("engine", ["streams", "sequential"])
+def test_a_parameter_some_replicas_losses_do_not_reach_is_held_for_them_on_cuda(engine: str) -> None:
+    """Each replica's backward runs on its own stream under ``streams``: the rows no loss reached must still be
+    noted (and held out of the step) as on the CPU, where tests/test_semantics.py checks them against an
+    independent reference. Here: the GPU run, k=2 with momentum and weight decay, equals the CPU run."""
+    dataset, weights = make_data(num_samples=64), []
+    for accelerator, name in (("cuda", engine), ("cpu", "sequential")):
+        model = BranchesOnTheData()
+        fit = trainer(accelerator=accelerator, strategy=CrossbowStrategy(2, engine=name, outer_lr=1.0), max_steps=4)
+        fit.fit(model, loader(dataset))
+        weights.append({n: p.detach().cpu() for n, p in model.named_parameters()})
+    through = [bool(x[0, 0] > 0) for x, _ in loader(dataset)][:8]
+    assert any(through[i] != through[i + 1] for i in range(0, 8, 2))  # (a step where one replica alone uses extra)
+    for name, value in weights[1].items():
+        torch.testing.assert_close(weights[0][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 class WideRegressor(L.LightningModule):

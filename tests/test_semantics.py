@@ -24,6 +24,7 @@ from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialE
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import ReplicaStack
 from tests.helpers import (
+    BranchesOnTheData,
     Classifier,
     ReplicaSnapshot,
     assert_one_replica_is_plain_lightning,
@@ -852,27 +853,6 @@ def test_accumulate_grad_batches_accumulates_per_replica() -> None:
             torch.testing.assert_close(snapshot.params[name][j], initial[name] - 0.1 * p.grad)
 
 
-class _BranchesOnTheData(L.LightningModule):
-    """A layer ``extra`` that a batch goes through only where its first input is positive (a branch on the data:
-    in one step some replicas use it and others not), trained with momentum and weight decay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.extra, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
-
-    def forward(self, x: Tensor, through_extra: bool) -> Tensor:
-        hidden = torch.tanh(self.a(x))
-        return self.head(torch.tanh(self.extra(hidden)) if through_extra else hidden)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x, bool(x[0, 0] > 0)), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
-
-
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("engine", ["sequential", "auto"])
 def test_a_parameter_a_replicas_loss_does_not_reach_is_not_stepped_for_it_as_plain_lightning_skips_it(
@@ -887,8 +867,8 @@ def test_a_parameter_a_replicas_loss_does_not_reach_is_not_stepped_for_it_as_pla
     through = [bool(x[0, 0] > 0) for x, _ in batches]
     groups = [through[i : i + k * accumulate] for i in range(0, steps * k * accumulate, k * accumulate)]
     assert any(len(set(group)) > 1 for group in groups)  # (the data make replicas differ within a step)
-    model = _BranchesOnTheData()
-    learners = [_BranchesOnTheData() for _ in range(k)]
+    model = BranchesOnTheData()
+    learners = [BranchesOnTheData() for _ in range(k)]
     optimizers = [learner.configure_optimizers() for learner in learners]
     center = [p.detach().clone() for p in model.parameters()]
     for step in range(steps):
