@@ -413,6 +413,17 @@ class RoutedBatchLoader(ReplicaBatchLoader):
     def give_back(self, batches: list[Any]) -> None:
         raise RuntimeError("A routed group cannot be split: the other ranks' shares of it are fixed.")
 
+    def load_state_dict(self, state: Any) -> None:
+        """Not loaded: a place in its pass that the wrapped loader saved (rank 0's, in the checkpoint) is not the
+        other ranks' (each takes its own share of the common order), and a rank resumed there would train other
+        steps than the rest, which then wait for it. The resumed pass starts at the order's beginning, as that of a
+        loader that does not save its place does (the routing plan restarts there too)."""
+        rank_zero_warn(
+            "crossbow: heterogeneous mode does not restore the training loader's place in its pass (each rank takes"
+            " its own share of one common order, so a place saved by one rank's loader is not the others'): the"
+            " resumed epoch draws its data from the start, as with a loader that does not save its place."
+        )
+
     @override
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those handed out, and those the rest of the order makes, each group at

@@ -1527,6 +1527,10 @@ class CrossbowStrategy(DDPStrategy):
             "validation_checks_done": self._epoch.checks_to_save(step_ended=not in_flight),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
+            # and those of the last change scheduled (by the balancer or set_replicas_per_device), if not in force yet
+            "next_split": (
+                self.routing.latest if self.routing is not None and self.routing.latest != self._split else None
+            ),
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
             "lrs_before_last": self._lrs_before_last,
@@ -1662,7 +1666,8 @@ class CrossbowStrategy(DDPStrategy):
 
     def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:
         """Heterogeneous mode: carries on with the checkpoint's learners per rank when it has as many ranks
-        and, unless k is tuned, as many learners in all; returns whether it did."""
+        and, unless k is tuned, as many learners in all, and with a change of them it had scheduled; returns whether
+        it did."""
         assert self.routing is not None and self.stack is not None
         if state is None or state["world_size"] != self.world_size:
             return False
@@ -1676,6 +1681,12 @@ class CrossbowStrategy(DDPStrategy):
             self._resize_replicas(split[self.global_rank])
         assert self.balancer is not None
         self.balancer.history = [(0, split)]
+        next_split = state.get("next_split")
+        if next_split is not None and (sum(next_split) == sum(split) or self._carries_on_the_k_of(state)):
+            # A change scheduled and not in force yet goes on from the first group, as it would have from the
+            # next one: the replicas follow when that group arrives (on_train_batch_start).
+            self.routing.schedule(tuple(next_split), 0)
+            self.balancer.history.append((0, tuple(next_split)))
         return True
 
     # ------------------------------------------------------------------------------ teardown

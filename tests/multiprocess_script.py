@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Subset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner, SpeedBalancer  # noqa: E402
-from tests.helpers import Classifier, make_data  # noqa: E402
+from tests.helpers import Classifier, ResumableLoader, make_data  # noqa: E402
 
 WORLD_SIZE = 2
 
@@ -41,14 +41,16 @@ class Unsharded(L.LightningDataModule):
     """The whole dataset on every rank: Lightning's DistributedSampler shards (and shuffles) it, as with DDP;
     in heterogeneous mode crossbow routes it."""
 
-    def __init__(self, num_samples: int = 96, validate: bool = False) -> None:
+    def __init__(self, num_samples: int = 96, validate: bool = False, resumable: bool = False) -> None:
         super().__init__()
-        self.num_samples = num_samples
+        self.num_samples, self.resumable = num_samples, resumable
         if validate:  # 8 validation batches, which the ranks share as in plain Lightning
             self.val_dataloader = lambda: DataLoader(make_data(num_samples=64, seed=1), batch_size=8)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(make_data(num_samples=self.num_samples), batch_size=8)
+        return (ResumableLoader if self.resumable else DataLoader)(
+            make_data(num_samples=self.num_samples), batch_size=8
+        )
 
 
 class VirtualClock:
@@ -82,6 +84,20 @@ class KillAtStep(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ChangeKAndSaveAtStep(L.Callback):
+    """Once ``global_step`` reaches ``step``: asks for k = ``new_k`` (``set_replicas_per_device``), and, with a
+    ``path``, saves a checkpoint right after, while that change is under way."""
+
+    def __init__(self, step: int, new_k: int, path: str | None) -> None:
+        self.step, self.new_k, self.path = step, new_k, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            trainer.strategy.set_replicas_per_device(self.new_k)  # type: ignore[attr-defined]
+            if self.path:
+                trainer.save_checkpoint(self.path)
 
 
 class SigtermAtStep(L.Callback):
@@ -194,7 +210,9 @@ def main() -> None:
     parser.add_argument("--mismatch", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--resume")
-    parser.add_argument("--save")
+    parser.add_argument("--save", help="save a checkpoint there after fit (with --change-k-at, at that step)")
+    parser.add_argument("--change-k-at", help="STEP:K, set_replicas_per_device(K) once global_step reaches STEP")
+    parser.add_argument("--resumable-loader", action="store_true", help="a training loader that saves its place")
     parser.add_argument("--distributed-sampler", action="store_true")
     parser.add_argument("--checkpoint-dir", help="save a checkpoint at every epoch end there")
     parser.add_argument("--kill-at-step", type=int)
@@ -224,6 +242,9 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(args.checkpoint_dir, save_top_k=-1, save_on_train_epoch_end=True))
     if args.kill_at_step is not None:
         callbacks.append(KillAtStep(args.kill_at_step))
+    if args.change_k_at:
+        step, new_k = map(int, args.change_k_at.split(":"))
+        callbacks.append(ChangeKAndSaveAtStep(step, new_k, args.save))
     sigterm = SigtermAtStep(args.sigterm_at_step) if args.sigterm_at_step is not None else None
     watch = WatchStep(args.skip_at_step) if args.skip_at_step is not None else None
     if watch is not None:
@@ -258,7 +279,11 @@ def main() -> None:
         callbacks=callbacks,
     )
     samples = args.samples - (8 if args.uneven_datasets and os.environ.get("LOCAL_RANK") == "1" else 0)
-    datamodule = Unsharded(samples, args.validate) if args.distributed_sampler or balancer is not None else Sharded()
+    datamodule = (
+        Unsharded(samples, args.validate, args.resumable_loader)
+        if args.distributed_sampler or balancer is not None
+        else Sharded()
+    )
     if args.skip_at_step is not None:
         model: Classifier = SkipsAtStep(args.skip_at_step, optimizer=args.optimizer)
     elif args.finetune:
@@ -275,7 +300,7 @@ def main() -> None:
     if args.second_fit:
         trainer.fit_loop.max_epochs = args.epochs + 1
         trainer.fit(model, datamodule=datamodule)
-    if args.save:
+    if args.save and not args.change_k_at:
         trainer.save_checkpoint(args.save)
     if watch is not None:
         torch.save(watch.unchanged, args.out / f"rank{trainer.global_rank}_skipped_step_unchanged.pt")
