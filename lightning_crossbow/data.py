@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from itertools import chain, islice
 from typing import Any, Optional, Union
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
 from typing_extensions import override
 
 from lightning_crossbow.routing import RoutedSampler, RoutingPlan
@@ -122,6 +123,39 @@ class FetchedBatches(Dataset):
 NO_BATCH = object()
 
 
+class GatheredBatches(FetchedBatches):
+    """:class:`FetchedBatches` of a ``TensorDataset`` with ``default_collate``: a group's batches gathered at once.
+
+    A ``DataLoader`` makes such a batch of indices ``i_1 .. i_b`` as ``default_collate([dataset[i] for i in ...])``,
+    the list ``[t[i_1], ..., t[i_b]]`` stacked for each of the dataset's tensors ``t``: that is ``t[[i_1, ..., i_b]]``.
+    Here each tensor is indexed once with the whole group's indices, ``t[[i_1, ..., i_{kb}]]``, and cut into the
+    group's batches (views, each batch's rows in their order): the same values, dtypes and shapes, without the
+    ``k b`` calls of ``__getitem__`` and ``k`` collates. The indices are drawn from the batch sampler before any is
+    fetched (a ``TensorDataset`` draws no random numbers when it is indexed, so the draws are those of the
+    user's loader)."""
+
+    def __getitems__(self, keys: list[Union[list[int], Iterator[list[int]]]]) -> list[Any]:
+        indices: list[int] = []
+        sizes: list[int] = []
+        for key in keys:
+            batch = key if isinstance(key, list) else next(key, None)
+            if batch is None:  # (the other keys are the same iterator, at its end)
+                break
+            indices.extend(batch)
+            sizes.append(len(batch))
+        index = torch.as_tensor(indices, dtype=torch.long)
+        columns = [tensor[index].split(sizes) for tensor in self.dataset.tensors]
+        batches: list[Any] = [[column[i] for column in columns] for i in range(len(sizes))]
+        return batches + [NO_BATCH] * (len(keys) - len(sizes))
+
+
+def _gathers(dataset: Any, collate_fn: Any) -> bool:
+    """Whether :class:`GatheredBatches` makes the batches that a ``DataLoader`` over ``dataset`` with
+    ``collate_fn`` makes: a ``TensorDataset`` itself (not a subclass, which may index otherwise) and PyTorch's
+    ``default_collate``."""
+    return type(dataset) is TensorDataset and collate_fn is default_collate
+
+
 def _batches_of_group(batches: list[Any]) -> list[Any]:
     """The fetching loader's ``collate_fn``: a group's batches as they are, without any past the last."""
     return [batch for batch in batches if batch is not NO_BATCH]
@@ -140,8 +174,9 @@ def group_fetching_loader(loader: object) -> Optional[DataLoader]:
         and not isinstance(loader.dataset, IterableDataset)
     ):
         return None
+    fetched = GatheredBatches if _gathers(loader.dataset, loader.collate_fn) else FetchedBatches
     return DataLoader(
-        FetchedBatches(loader.dataset, loader.collate_fn),
+        fetched(loader.dataset, loader.collate_fn),
         batch_sampler=GroupedBatchSampler(loader.batch_sampler),
         collate_fn=_batches_of_group,
         pin_memory=loader.pin_memory,

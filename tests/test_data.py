@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler, TensorDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from lightning_crossbow.data import ReplicaBatchLoader, group_fetching_loader
+from lightning_crossbow.data import GatheredBatches, ReplicaBatchLoader, group_fetching_loader
 from tests.helpers import make_data
 
 
@@ -114,6 +114,51 @@ def test_fetched_groups_are_the_users_batches_through_k_changes_and_back_offs(
     _assert_same(fetched, one_by_one)  # (the last entries: the generator's state after both epochs)
     assert sum(len(g) for g in one_by_one[0]) >= 9  # (the pass did go through the changes)
     assert steps < steps_one_by_one / 2  # an iterator step per group, not per batch
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_tensor_datasets_groups_are_gathered_and_are_the_users_batches(
+    shuffle: bool, drop_last: bool, iterator_steps: list[int]
+) -> None:
+    """A TensorDataset with the default collate: each group is gathered with one indexing per tensor (no batch
+    fetched sample by sample), and its batches are the user's loader's, value, dtype, shape and type, through
+    changes of k and back-offs, with a short last batch and a short last group; the shuffle draws as many numbers."""
+    dataset = TensorDataset(torch.randn(45, 3), torch.randint(0, 5, (45,)), torch.rand(45, 2).double())
+    fetched_one_by_one = []
+    getitem = TensorDataset.__getitem__
+    try:
+        TensorDataset.__getitem__ = lambda self, index: fetched_one_by_one.append(index) or getitem(self, index)
+        passes = []
+        for fetch_groups in (True, False):
+            torch.manual_seed(0)
+            grouped = ReplicaBatchLoader(
+                DataLoader(dataset, batch_size=4, shuffle=shuffle, drop_last=drop_last), 3, fetch_groups=fetch_groups
+            )
+            first = _groups(grouped, changes={1: 2, 3: 4}, give_back={2: 1})
+            passes.append(
+                ([first, _groups(grouped, changes={}, give_back={}), torch.rand(())], len(fetched_one_by_one))
+            )
+    finally:
+        TensorDataset.__getitem__ = getitem
+    (gathered, fetched_gathering), (one_by_one, fetched_in_all) = passes
+    assert fetched_gathering == 0 and fetched_in_all > 0  # gathering fetched nothing sample by sample
+    _assert_same(gathered, one_by_one)
+    assert all(type(batch) is list for group in gathered[0] for batch in group)  # (default_collate's lists)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda data: DataLoader(data, batch_size=4, collate_fn=lambda batch: torch.utils.data.default_collate(batch)),
+        lambda data: DataLoader(type("OwnTensorDataset", (TensorDataset,), {})(*data.tensors), batch_size=4),
+    ],
+    ids=["another collate_fn", "TensorDataset subclass"],
+)
+def test_only_a_tensor_dataset_with_the_default_collate_is_gathered(make: Any) -> None:
+    fetcher = group_fetching_loader(make(make_data()))
+    assert fetcher is not None and not isinstance(fetcher.dataset, GatheredBatches)
+    assert isinstance(group_fetching_loader(DataLoader(make_data(), batch_size=4)).dataset, GatheredBatches)
 
 
 def test_a_dataset_that_fetches_whole_batches_gets_the_same_requests() -> None:
