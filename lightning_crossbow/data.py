@@ -199,6 +199,7 @@ _OWN_ATTRIBUTES = (
     "_fetcher",
     "plan",
     "routed_sampler",
+    "place_not_restored",
     "_resume_at",
     "_restart_counted",
     "_ends_when_counted",
@@ -425,6 +426,8 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         self.routed_sampler = routed_sampler
         super().__init__(loader, self.plan.share(self.plan.groups_trained)[1])
         self.current_group = -1  #: the group of the last batches handed out
+        #: Whether Lightning gave it a place in its pass to resume at, which it did not take (:meth:`load_state_dict`).
+        self.place_not_restored = False
         self._order_batches_taken = 0  # in the current pass, by the groups of every rank
 
     @override
@@ -452,12 +455,9 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         """Not loaded: a place in its pass that the wrapped loader saved (rank 0's, in the checkpoint) is not the
         other ranks' (each takes its own share of the common order), and a rank resumed there would train other
         steps than the rest, which then wait for it. The resumed pass starts at the order's beginning, as that of a
-        loader that does not save its place does (the routing plan restarts there too)."""
-        rank_zero_warn(
-            "crossbow: heterogeneous mode does not restore the training loader's place in its pass (each rank takes"
-            " its own share of one common order, so a place saved by one rank's loader is not the others'): the"
-            " resumed epoch draws its data from the start, as with a loader that does not save its place."
-        )
+        loader that does not save its place does (the routing plan restarts there too); :attr:`place_not_restored`
+        says so, for the strategy to warn where that pass resumes an epoch in its middle."""
+        self.place_not_restored = True
 
     @override
     def groups_in_pass(self) -> int:

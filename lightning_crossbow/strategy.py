@@ -407,6 +407,10 @@ class CrossbowStrategy(DDPStrategy):
                 " synchronise during the forward. Leave sync_batchnorm=False."
             )
         self._fit_loader = None  # (configure_optimizers may make it, in the set-up)
+        if fitting and self.balancer is not None:
+            # Before Lightning's set-up: configure_optimizers may read trainer.estimated_stepping_batches, which makes
+            # the training loader there, and Lightning keeps that loader (it must be the routed one).
+            self._start_routing(trainer)
         try:
             # The base Strategy's set-up: DDPStrategy's would wrap the module in DistributedDataParallel.
             Strategy.setup(self, trainer)
@@ -451,17 +455,6 @@ class CrossbowStrategy(DDPStrategy):
         if self._reads_gradients:
             self._refresh_mean_gradients_before_hooks()
             self._show_gradients_zeroed_with_the_replicas(optimizer)
-        if self.balancer is not None:
-            if trainer.accumulate_grad_batches > 1:
-                raise ValueError(
-                    "crossbow: heterogeneous=True cannot be combined with accumulate_grad_batches > 1: a new split of the"
-                    " learners may start between two accumulated batches, and the gradients accumulated for the"
-                    " replicas a rank gives up would be lost."
-                )
-            self.routing = RoutingPlan((self.replicas_per_device,) * self.world_size, self.global_rank)
-            self._split = self.routing.latest
-            self.balancer.restart()
-            self.balancer.history = [(0, self._split)]
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_per_replica  # type: ignore[method-assign]
         hooks_owners = [module, trainer.datamodule] if trainer.datamodule is not None else [module]
         self._transfer_per_batch = any(is_overridden(hook, owner) for hook in _TRANSFER_HOOKS for owner in hooks_owners)
@@ -473,6 +466,20 @@ class CrossbowStrategy(DDPStrategy):
             module._on_before_batch_transfer = MethodType(hook, module)  # type: ignore[method-assign]
         self._last_lrs = self._lrs_before_last = None
         self._final_state = None
+
+    def _start_routing(self, trainer: "pl.Trainer") -> None:
+        """Heterogeneous mode: every rank starts a fit at k learners (an even split), the data routed by the split."""
+        assert self.balancer is not None
+        if trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                "crossbow: heterogeneous=True cannot be combined with accumulate_grad_batches > 1: a new split of the"
+                " learners may start between two accumulated batches, and the gradients accumulated for the"
+                " replicas a rank gives up would be lost."
+            )
+        self.routing = RoutingPlan((self.replicas_per_device,) * self.world_size, self.global_rank)
+        self._split = self.routing.latest
+        self.balancer.restart()
+        self.balancer.history = [(0, self._split)]
 
     def _check_same_config_on_all_ranks(self) -> None:
         config = {
@@ -616,6 +623,15 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
         self._epoch.start_batch(trainer, batch_idx, isinstance(batch, list), self.stack.num_replicas)
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
+            if self._grouped.place_not_restored:
+                self._grouped.place_not_restored = False
+                if batch_idx > 0:  # (a resume at an epoch's end starts the next epoch: nothing is drawn again)
+                    rank_zero_warn(
+                        "crossbow: heterogeneous mode does not restore the training loader's place in its pass (each"
+                        " rank takes its own share of one common order, so a place saved by one rank's loader is not"
+                        " the others'): the resumed epoch draws its data from the start, as with a loader that does"
+                        " not save its place."
+                    )
             split = self.routing.split_at(self._grouped.current_group)
             if split != self._split and self.balancer is not None:
                 self.balancer.restart()  # a window measures one split (every rank changes at this same step)
@@ -1635,10 +1651,15 @@ class CrossbowStrategy(DDPStrategy):
         if state is not None:
             self.stack.load_state_dict(state["ranks"][0]["stack"], replicas=False)
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
+        split, saved_world = (tuple(state.get("split") or ()), state["world_size"]) if state is not None else ((), 0)
         where = (
             "a checkpoint without crossbow state"
             if state is None
-            else f"a checkpoint of replicas_per_device={state['replicas_per_device']} x world_size={state['world_size']}"
+            else (
+                f"a checkpoint of {sum(split)} learners split {split} over world_size={saved_world}"
+                if len(set(split)) > 1  # (heterogeneous mode's learners per rank)
+                else f"a checkpoint of replicas_per_device={state['replicas_per_device']} x world_size={saved_world}"
+            )
             + (
                 ""
                 if saved_layout in (None, self.stack.layout)

@@ -12,6 +12,7 @@ import argparse
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -100,6 +101,17 @@ class ChangeKAndSaveAtStep(L.Callback):
                 trainer.save_checkpoint(self.path)
 
 
+class SaveAtStep(L.Callback):
+    """Saves a checkpoint at ``path`` once ``global_step`` reaches ``step`` (in ``on_train_batch_end``)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 class SigtermAtStep(L.Callback):
     """Rank 1 alone sends itself SIGTERM once ``global_step`` reaches ``step``; counts the broadcasts every rank
     makes while training (Lightning's per-batch SIGTERM check is one)."""
@@ -186,9 +198,19 @@ class SaveFinalState(L.Callback):
                 "seen": [torch.cat(inputs) if inputs else torch.empty(0) for inputs in self.seen],
                 "splits": strategy.balancer.history if strategy.balancer is not None else None,
                 "validation_batches": self.validation_batches,
+                "estimated_steps": getattr(pl_module, "estimated_steps", None),
             },
             self.out / f"rank{trainer.global_rank}.pt",
         )
+
+
+class ReadsEstimatedSteps(Classifier):
+    """Reads ``trainer.estimated_stepping_batches`` in ``configure_optimizers``, as a OneCycleLR set-up does: Lightning
+    makes the training loader there, during the strategy's set-up."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.estimated_steps = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
 
 
 class WithBackbone(Classifier):
@@ -212,6 +234,8 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--save", help="save a checkpoint there after fit (with --change-k-at, at that step)")
     parser.add_argument("--change-k-at", help="STEP:K, set_replicas_per_device(K) once global_step reaches STEP")
+    parser.add_argument("--save-at", action="append", default=[], help="STEP:PATH, a checkpoint at that step")
+    parser.add_argument("--reads-estimated-steps", action="store_true", help="configure_optimizers reads them")
     parser.add_argument("--resumable-loader", action="store_true", help="a training loader that saves its place")
     parser.add_argument("--distributed-sampler", action="store_true")
     parser.add_argument("--checkpoint-dir", help="save a checkpoint at every epoch end there")
@@ -242,6 +266,9 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(args.checkpoint_dir, save_top_k=-1, save_on_train_epoch_end=True))
     if args.kill_at_step is not None:
         callbacks.append(KillAtStep(args.kill_at_step))
+    for save_at in args.save_at:
+        step, path = save_at.split(":", 1)
+        callbacks.append(SaveAtStep(int(step), path))
     if args.change_k_at:
         step, new_k = map(int, args.change_k_at.split(":"))
         callbacks.append(ChangeKAndSaveAtStep(step, new_k, args.save))
@@ -288,10 +315,15 @@ def main() -> None:
         model: Classifier = SkipsAtStep(args.skip_at_step, optimizer=args.optimizer)
     elif args.finetune:
         model = WithBackbone(optimizer=args.optimizer)
+    elif args.reads_estimated_steps:
+        model = ReadsEstimatedSteps(optimizer=args.optimizer)
     else:
         model = Classifier(optimizer=args.optimizer)
     try:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, datamodule=datamodule, ckpt_path=args.resume)
+        torch.save([str(w.message) for w in caught], args.out / f"rank{trainer.global_rank}_warnings.pt")
     except SIGTERMException:
         assert sigterm is not None
         stopped = {"global_step": trainer.global_step, "broadcasts": sigterm.broadcasts}

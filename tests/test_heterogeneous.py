@@ -172,6 +172,21 @@ def test_a_short_last_batch_weighs_by_its_samples() -> None:
         torch.testing.assert_close(actual.detach(), wanted)
 
 
+def test_resuming_an_uneven_split_elsewhere_names_the_split_in_the_re_seed_warning(tmp_path: Path) -> None:
+    """A heterogeneous checkpoint's ``replicas_per_device`` is rank 0's own k: the warning of a resume that re-seeds
+    names the learners per rank instead (a checkpoint of two ranks at (5, 1), resumed on one process at k=3)."""
+    first = trainer(strategy=CrossbowStrategy(replicas_per_device=5), max_steps=2)
+    first.fit(Classifier(), loader(make_data(num_samples=80)))
+    first.save_checkpoint(tmp_path / "one.ckpt")
+    checkpoint = torch.load(tmp_path / "one.ckpt", weights_only=False)
+    checkpoint["crossbow"].update(split=[5, 1], world_size=2)  # (as rank 0 of such a run saves it)
+    torch.save(checkpoint, tmp_path / "uneven.ckpt")
+    with pytest.warns(UserWarning, match=r"from a checkpoint of 6 learners split \(5, 1\) over world_size=2 with"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_steps=3).fit(
+            Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / "uneven.ckpt"
+        )
+
+
 def test_heterogeneous_mode_refuses_a_sampler_it_cannot_reproduce_on_every_rank() -> None:
     dataset = make_data(num_samples=32)
     weighted = DataLoader(dataset, batch_size=8, sampler=WeightedRandomSampler([1.0] * 32, 32))
@@ -224,6 +239,19 @@ def test_a_three_times_slower_rank_gets_a_quarter_of_the_learners_and_the_values
     expected = reference_weighted_averaging(make_net(), make_data(num_samples=188), 8, epochs, lr=0.1, eta=2.0)
     for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
         torch.testing.assert_close(actual, wanted)
+
+
+def test_a_loader_made_in_configure_optimizers_is_routed_too(tmp_path: Path, four_epochs: list[dict]) -> None:
+    """``configure_optimizers`` reading ``trainer.estimated_stepping_batches`` (a OneCycleLR set-up) makes the training
+    loader during the strategy's set-up, and Lightning keeps it: it is routed as any other (before, it was the
+    uniform path's, and every rank trained every sample), and the estimate counts the steps of the common order."""
+    ranks = _heterogeneous_run(tmp_path / "run", "--epochs", "4", "--reads-estimated-steps")
+    assert ranks[0]["estimated_steps"] == 4 * 3  # 24 batches of the common order per epoch, 8 per step
+    for rank in range(2):
+        assert ranks[rank]["splits"] == four_epochs[rank]["splits"]
+        assert ranks[rank]["group_sizes"] == four_epochs[rank]["group_sizes"]
+        for x, y in zip(ranks[rank]["z"], four_epochs[rank]["z"], strict=True):
+            assert torch.equal(x, y)
 
 
 def test_equal_devices_keep_the_even_split_and_the_uniform_rule(tmp_path: Path) -> None:
@@ -305,14 +333,22 @@ def test_a_resume_with_a_loader_that_saves_its_place_starts_the_epochs_data_agai
 ) -> None:
     """Each rank's loader takes its own share of the common order, so the place that rank 0's loader saved is not
     rank 1's: resumed there, the ranks disagreed on the steps left and one waited for the other forever. The place
-    is not loaded (with a warning): the resumed fit is that of a loader that does not save its place, bitwise."""
-    _, resumed = _save_while_a_change_is_scheduled_and_resume(tmp_path, "--resumable-loader")
+    is not loaded: the resumed fit is that of a loader that does not save its place, bitwise, with a warning where
+    it resumes an epoch in its middle (step 4: the second of epoch 1's), and none from the last step of an epoch."""
+    epoch_end = str(tmp_path / "epoch_end.ckpt")
+    _, resumed = _save_while_a_change_is_scheduled_and_resume(
+        tmp_path, "--resumable-loader", "--save-at", f"3:{epoch_end}"
+    )
     _, expected = change_scheduled
     for rank in range(2):
         assert resumed[rank]["global_step"] == expected[rank]["global_step"]
         assert resumed[rank]["group_sizes"] == expected[rank]["group_sizes"]
         for x, y in zip(resumed[rank]["z"], expected[rank]["z"], strict=True):
             assert torch.equal(x, y)
+    not_restored = "heterogeneous mode does not restore the training loader's place in its pass"
+    assert sum(not_restored in message for message in torch.load(tmp_path / "resumed" / "rank0_warnings.pt")) == 1
+    _heterogeneous_run(tmp_path / "from_epoch_end", "--epochs", "4", "--resume", epoch_end, "--resumable-loader")
+    assert not any(not_restored in message for message in torch.load(tmp_path / "from_epoch_end" / "rank0_warnings.pt"))
 
 
 def test_heterogeneous_mode_refuses_what_it_cannot_route_or_accumulate() -> None:
