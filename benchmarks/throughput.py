@@ -6,6 +6,11 @@ configurations are interleaved and repeated, so ratios are measured side by side
 this (shared, noisy) machine: each ratio is the median over repetitions of the ratio within one
 repetition (the two runs of a pair are seconds apart), next to the ratio of the medians.
 
+The data are a ``TensorDataset``, whose batches crossbow gathers a step at a time (one indexing per tensor), where
+plain Lightning's ``DataLoader`` fetches and collates them sample by sample. The row "sample by sample" trains
+crossbow on the same samples fetched as plain Lightning fetches them: its ratio to plain Lightning is that of
+crossbow's own work alone.
+
     python benchmarks/throughput.py            # the core issue's comparisons, 5 repetitions
     python benchmarks/throughput.py --quick    # 3 repetitions, fewer steps
 """
@@ -25,7 +30,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -81,6 +86,21 @@ def bare_trainer(strategy: Any, devices: int = 1, accelerator: str = "cpu", **kw
     return L.Trainer(**{**defaults, **kwargs})
 
 
+class SampleBySample(Dataset):
+    """A ``TensorDataset``'s samples, one ``__getitem__`` at a time: a dataset that crossbow fetches as a
+    ``DataLoader`` does, sample by sample (it gathers a ``TensorDataset``'s batches at once, see
+    :class:`lightning_crossbow.data.GatheredBatches`)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return self.data[index]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
 def samples_per_second(
     strategy: Any,
     k: int,
@@ -91,12 +111,16 @@ def samples_per_second(
     input_shape: tuple[int, ...] = (40,),
     accelerator: str = "cpu",
     callbacks: tuple[L.Callback, ...] = (),
+    sample_by_sample: bool = False,
 ) -> float:
     """Trains ``warmup + steps`` steps of ``k`` batches of ``batch_size`` random inputs of ``input_shape``
-    (default: the MNIST-1D CNN on MNIST-1D-shaped data); returns measured samples/s."""
+    (default: the MNIST-1D CNN on MNIST-1D-shaped data) from a ``TensorDataset`` (``sample_by_sample``: wrapped in
+    :class:`SampleBySample`); returns measured samples/s."""
     torch.manual_seed(0)
     n = (warmup + steps) * k * batch_size
-    data = TensorDataset(torch.randn(n, *input_shape), torch.randint(0, 10, (n,)))
+    data: Dataset = TensorDataset(torch.randn(n, *input_shape), torch.randint(0, 10, (n,)))
+    if sample_by_sample:
+        data = SampleBySample(data)
     timer = StepTimer(warmup, steps)
     trainer = bare_trainer(strategy, accelerator=accelerator, callbacks=[timer, *callbacks])
     model = Classifier(net() if net is not None else conv1d_net(40, 10), lr=0.01)
@@ -181,10 +205,20 @@ def save_result(path: Path, command: str, **fields: Any) -> None:
     path.write_text(json.dumps({"machine": machine(), "command": command, **fields}, indent=2))
 
 
+#: The name's end of a configuration whose dataset is fetched sample by sample (:class:`SampleBySample`).
+SAMPLE_BY_SAMPLE = ", sample by sample"
+
+
 def configurations(per_replica_batch: int, k: int) -> dict[str, tuple[Callable[[], Any], int, int]]:
-    """name -> (strategy factory, replicas, batch size)."""
+    """name -> (strategy factory, replicas, batch size); a name that ends in :data:`SAMPLE_BY_SAMPLE` trains on a
+    :class:`SampleBySample` dataset."""
     return {
         f"crossbow k={k} fused b={per_replica_batch}": (
+            lambda: CrossbowStrategy(k, engine="fused"),
+            k,
+            per_replica_batch,
+        ),
+        f"crossbow k={k} fused b={per_replica_batch}{SAMPLE_BY_SAMPLE}": (
             lambda: CrossbowStrategy(k, engine="fused"),
             k,
             per_replica_batch,
@@ -222,13 +256,28 @@ def main() -> None:
     measured.update({name: [] for name in kernels})
     for _ in range(repeats):  # interleaved: every repetition runs every configuration once
         for name, (strategy, replicas, batch) in configs.items():
-            measured[name].append(samples_per_second(strategy(), replicas, batch, steps, warmup, net, shape))
+            measured[name].append(
+                samples_per_second(
+                    strategy(),
+                    replicas,
+                    batch,
+                    steps,
+                    warmup,
+                    net,
+                    shape,
+                    sample_by_sample=name.endswith(SAMPLE_BY_SAMPLE),
+                )
+            )
         for name, fused in kernels.items():
             measured[name].append(kernel_samples_per_second(k, b, 4 * steps, warmup, fused, args.model))
     median = {name: statistics.median(values) for name, values in measured.items()}
     pairs = {
         f"fused / sequential (k={k}, target >= 2)": (f"crossbow k={k} fused b={b}", f"crossbow k={k} sequential b={b}"),
         f"fused k={k} / plain b={k * b} (target >= 0.8)": (f"crossbow k={k} fused b={b}", f"plain b={k * b}"),
+        f"fused k={k}, its data fetched sample by sample as plain's are / plain b={k * b}": (
+            f"crossbow k={k} fused b={b}{SAMPLE_BY_SAMPLE}",
+            f"plain b={k * b}",
+        ),
         f"crossbow k=1 / plain b={b} (target >= 0.85)": (f"crossbow k=1 b={b}", f"plain b={b}"),
         f"kernels alone: vmap k={k} / one model b={k * b} (the ceiling of fused / plain)": tuple(kernels),
     }
