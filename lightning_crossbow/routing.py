@@ -66,6 +66,11 @@ class RoutingPlan:
         """The split of the last change scheduled (in force now or soon)."""
         return self._splits[-1]
 
+    @property
+    def latest_from(self) -> int:
+        """The group from which :attr:`latest` is in force."""
+        return self._starts[-1]
+
     def schedule(self, split: Sequence[int], from_group: int) -> None:
         """Puts ``split`` in force from ``from_group`` on; every rank must schedule the same.
 

@@ -1543,9 +1543,12 @@ class CrossbowStrategy(DDPStrategy):
             "validation_checks_done": self._epoch.checks_to_save(step_ended=not in_flight),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
             "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
-            # and those of the last change scheduled (by the balancer or set_replicas_per_device), if not in force yet
+            # and those of the last change scheduled (by the balancer or set_replicas_per_device), if not in force yet,
+            # with the number of groups between the last one trained and the one it starts at
             "next_split": (
-                self.routing.latest if self.routing is not None and self.routing.latest != self._split else None
+                (self.routing.latest, self.routing.latest_from - self.routing.groups_trained)
+                if self.routing is not None and self.routing.latest != self._split
+                else None
             ),
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
@@ -1702,11 +1705,12 @@ class CrossbowStrategy(DDPStrategy):
             self._resize_replicas(split[self.global_rank])
         assert self.balancer is not None
         self.balancer.history = [(0, split)]
-        next_split = state.get("next_split")
+        next_split, groups_before = state.get("next_split") or (None, 0)
         if next_split is not None and (sum(next_split) == sum(split) or self._carries_on_the_k_of(state)):
-            # A change scheduled and not in force yet goes on from the first group, as it would have from the
-            # next one: the replicas follow when that group arrives (on_train_batch_start).
-            self.routing.schedule(tuple(next_split), 0)
+            # A change scheduled and not in force yet goes on, as many groups after the first as it would have come
+            # after the next one (a group drawn ahead and not trained may have put it later): the replicas follow
+            # when its group arrives (on_train_batch_start).
+            self.routing.schedule(tuple(next_split), groups_before)
             self.balancer.history.append((0, tuple(next_split)))
         return True
 

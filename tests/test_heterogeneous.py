@@ -351,6 +351,23 @@ def test_a_resume_with_a_loader_that_saves_its_place_starts_the_epochs_data_agai
     assert not any(not_restored in message for message in torch.load(tmp_path / "from_epoch_end" / "rank0_warnings.pt"))
 
 
+def test_a_split_scheduled_at_an_epochs_last_step_starts_at_the_same_group_after_a_resume(
+    tmp_path: Path, four_epochs: list[dict]
+) -> None:
+    """The first window ends at step 3, the last of epoch 0 (3 steps an epoch): its split is scheduled from the
+    first group no rank has drawn, the second of epoch 1 (the end of epoch 0 drew one more to find it short). A fit
+    resumed from that step's checkpoint starts it at that same group of epoch 1, not at the first."""
+    checkpoint = str(tmp_path / "step3.ckpt")
+    straight = _heterogeneous_run(tmp_path / "straight", "--epochs", "4", "--save-at", f"3:{checkpoint}")
+    assert straight[0]["group_sizes"] == four_epochs[0]["group_sizes"]  # (saving changed nothing)
+    resumed = _heterogeneous_run(tmp_path / "resumed", "--epochs", "4", "--resume", checkpoint)
+    for rank in range(2):
+        assert straight[rank]["group_sizes"][3] == 4 and straight[rank]["group_sizes"][4] != 4  # (as described)
+        assert resumed[rank]["group_sizes"] == straight[rank]["group_sizes"][3:]
+        for x, y in zip(resumed[rank]["z"], straight[rank]["z"], strict=True):
+            assert torch.equal(x, y)
+
+
 def test_heterogeneous_mode_refuses_what_it_cannot_route_or_accumulate() -> None:
     dataset = make_data(num_samples=32)
     with_replacement = DataLoader(
