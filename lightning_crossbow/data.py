@@ -124,29 +124,33 @@ NO_BATCH = object()
 
 
 class GatheredBatches(FetchedBatches):
-    """:class:`FetchedBatches` of a ``TensorDataset`` with ``default_collate``: a group's batches gathered at once.
+    """:class:`FetchedBatches` of a ``TensorDataset`` with ``default_collate``: each batch made a tensor at a time.
 
-    A ``DataLoader`` makes such a batch of indices ``i_1 .. i_b`` as ``default_collate([dataset[i] for i in ...])``,
-    the list ``[t[i_1], ..., t[i_b]]`` stacked for each of the dataset's tensors ``t``: that is ``t[[i_1, ..., i_b]]``.
-    Here each tensor is indexed once with the whole group's indices, ``t[[i_1, ..., i_{kb}]]``, and cut into the
-    group's batches (views, each batch's rows in their order): the same values, dtypes and shapes, without the
-    ``k b`` calls of ``__getitem__`` and ``k`` collates. The indices are drawn from the batch sampler before any is
-    fetched (a ``TensorDataset`` draws no random numbers when it is indexed, so the draws are those of the
-    user's loader)."""
+    A ``DataLoader`` makes a batch of indices ``i_1 .. i_b`` as ``default_collate([dataset[i] for i in ...])``: for
+    each of the dataset's tensors ``t``, the rows ``t[i_1], ..., t[i_b]`` stacked into a new contiguous tensor, which
+    is ``t[[i_1, ..., i_b]]`` made contiguous. Here each batch's tensors are made so, one indexing per tensor,
+    without the ``b`` calls of ``__getitem__`` and the collate: the same values, dtypes, shapes and memory layout,
+    each batch in storage of its own (as a collated one: editing one in place, or keeping it, touches no other),
+    its indices drawn from the batch sampler as the user's loader draws them (a ``TensorDataset`` draws no random
+    numbers when it is indexed). Indices that are not integers go to ``__getitem__`` one at a time, as a
+    ``DataLoader`` gives them (and fail as they fail there)."""
 
     def __getitems__(self, keys: list[Union[list[int], Iterator[list[int]]]]) -> list[Any]:
-        indices: list[int] = []
-        sizes: list[int] = []
+        batches: list[Any] = []
         for key in keys:
-            batch = key if isinstance(key, list) else next(key, None)
-            if batch is None:  # (the other keys are the same iterator, at its end)
+            indices = key if isinstance(key, list) else next(key, None)
+            if indices is None:  # (the other keys are the same iterator, at its end)
                 break
-            indices.extend(batch)
-            sizes.append(len(batch))
-        index = torch.as_tensor(indices, dtype=torch.long)
-        columns = [tensor[index].split(sizes) for tensor in self.dataset.tensors]
-        batches: list[Any] = [[column[i] for column in columns] for i in range(len(sizes))]
-        return batches + [NO_BATCH] * (len(keys) - len(sizes))
+            index = torch.as_tensor(indices)
+            if index.dtype in _INTEGER_INDICES and index.dim() == 1:
+                batches.append([tensor[index].contiguous() for tensor in self.dataset.tensors])
+            else:
+                batches.append(super().__getitem__(indices))
+        return batches + [NO_BATCH] * (len(keys) - len(batches))
+
+
+#: The index dtypes :class:`GatheredBatches` indexes with (others, bool or float, go to ``__getitem__``).
+_INTEGER_INDICES = (torch.int64, torch.int32)
 
 
 def _gathers(dataset: Any, collate_fn: Any) -> bool:

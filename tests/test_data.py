@@ -8,11 +8,20 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SequentialSampler,
+    Subset,
+    TensorDataset,
+)
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.data import GatheredBatches, ReplicaBatchLoader, group_fetching_loader
-from tests.helpers import make_data
+from tests.helpers import Classifier, loader, make_data, trainer
 
 
 class _Records(Dataset):
@@ -121,10 +130,13 @@ def test_fetched_groups_are_the_users_batches_through_k_changes_and_back_offs(
 def test_a_tensor_datasets_groups_are_gathered_and_are_the_users_batches(
     shuffle: bool, drop_last: bool, iterator_steps: list[int]
 ) -> None:
-    """A TensorDataset with the default collate: each group is gathered with one indexing per tensor (no batch
-    fetched sample by sample), and its batches are the user's loader's, value, dtype, shape and type, through
-    changes of k and back-offs, with a short last batch and a short last group; the shuffle draws as many numbers."""
-    dataset = TensorDataset(torch.randn(45, 3), torch.randint(0, 5, (45,)), torch.rand(45, 2).double())
+    """A TensorDataset with the default collate: each batch is made with one indexing per tensor (none fetched sample
+    by sample), and the batches are the user's loader's, value, dtype, shape, memory layout and type, each tensor in
+    storage of its own, through changes of k and back-offs, with a short last batch and a short last group; the
+    shuffle draws as many numbers. (A tensor whose rows are not contiguous: indexing keeps their layout, a collate
+    makes them contiguous.)"""
+    rows_not_contiguous = torch.randn(45, 2, 3).permute(0, 2, 1)
+    dataset = TensorDataset(rows_not_contiguous, torch.randint(0, 5, (45,)), torch.rand(45, 2).double())
     fetched_one_by_one = []
     getitem = TensorDataset.__getitem__
     try:
@@ -145,6 +157,40 @@ def test_a_tensor_datasets_groups_are_gathered_and_are_the_users_batches(
     assert fetched_gathering == 0 and fetched_in_all > 0  # gathering fetched nothing sample by sample
     _assert_same(gathered, one_by_one)
     assert all(type(batch) is list for group in gathered[0] for batch in group)  # (default_collate's lists)
+    for mine, theirs in zip(tree_flatten(gathered[:2])[0], tree_flatten(one_by_one[:2])[0], strict=True):
+        assert mine.stride() == theirs.stride() and mine.untyped_storage().nbytes() == mine.nbytes
+
+
+def test_indices_that_are_not_integers_are_fetched_as_the_users_loader_fetches_them() -> None:
+    """A sampler of float indices: plain Lightning's loader fails in ``__getitem__``; so does the gathering one."""
+    data = make_data(num_samples=8)
+    errors = []
+    for fetch_groups in (True, False):
+        grouped = ReplicaBatchLoader(DataLoader(data, batch_size=2, sampler=[0.0, 1.5, 2.0, 3.0]), 2, fetch_groups)
+        with pytest.raises(IndexError) as raised:
+            list(grouped)
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+
+
+class _EditsItsBatch(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x /= 2  # (in place: plain Lightning's loader gives each batch its own tensors)
+        return super().training_step((x, y), batch_idx)
+
+
+@pytest.mark.parametrize("engine", ["sequential", "fused"])
+def test_a_training_step_that_edits_its_batch_in_place_trains_as_on_batches_fetched_one_by_one(engine: str) -> None:
+    """Each replica's batch is in storage of its own: an edit in place touches no other replica's, which autograd
+    may hold (the sequential engine's backward comes after every replica's forward)."""
+    weights = []
+    for data in (make_data(num_samples=48), Subset(make_data(num_samples=48), range(48))):  # gathered, and not
+        model = _EditsItsBatch()
+        trainer(strategy=CrossbowStrategy(replicas_per_device=3, engine=engine), max_epochs=2).fit(model, loader(data))
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for gathered, fetched in zip(*weights, strict=True):
+        assert torch.equal(gathered, fetched)
 
 
 @pytest.mark.parametrize(
