@@ -169,6 +169,8 @@ def summarize(runs: dict[str, Any], ks: list[int], bs: list[int], engines: list[
                 cells = " | ".join(f"{rates[name]:.0f}" for name in names)
                 kept = ", ".join(sorted(set(row.get("crossbow auto", {}).get("chosen", [])))) or "-"
                 lines.append(f"| {k} | {b} | {cells} | {best / rates['plain k*b']:.2f} | {kept} |")
+        if len(ks) < 2:  # (one k: no slope to give)
+            continue
         lines += [f"\n## {model}: GPU memory per replica (MiB; slope of the peak from k={ks[0]} to k={ks[-1]})\n"]
         lines += [
             "| b | " + " | ".join(f"crossbow {engine}" for engine in engines) + " |",
