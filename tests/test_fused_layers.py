@@ -41,20 +41,27 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize(
-    ("channels", "stride", "padding", "bias"), [(1, 1, 0, True), (3, 2, 1, True), (4, 3, 2, False)]
+    ("channels", "taps", "stride", "padding", "bias"),
+    [(1, 3, 1, 0, True), (3, 3, 2, 1, True), (4, 3, 3, 2, False), (2, 21, 2, 2, True)],
+    ids=["stride 1", "stride 2", "stride 3, a remainder", "one output per row"],
 )
-def test_conv1d_over_replicas_is_each_replicas_own_convolution(
-    channels: int, stride: int, padding: int, bias: bool
+def test_conv1d_over_replicas_is_each_replicas_own_convolution_and_gradient(
+    channels: int, taps: int, stride: int, padding: int, bias: bool
 ) -> None:
     torch.manual_seed(0)
-    k, n, out_channels, taps, length = 3, 5, 6, 3, 17
-    x = torch.randn(k, n, channels, length)
-    w = torch.randn(k, out_channels, channels, taps)
-    b = torch.randn(k, out_channels) if bias else None
+    k, n, out_channels, length = 3, 5, 6, 17
+    x = torch.randn(k, n, channels, length, requires_grad=True)
+    w = torch.randn(k, out_channels, channels, taps, requires_grad=True)
+    b = torch.randn(k, out_channels, requires_grad=True) if bias else None
     out = fl.conv1d_over_replicas(x, w, b, stride, padding)
+    out_grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, w] + ([b] if bias else []), out_grad)
     for j in range(k):
-        expected = nn.functional.conv1d(x[j], w[j], None if b is None else b[j], stride=stride, padding=padding)
+        own = [t[j].detach().requires_grad_() for t in [x, w] + ([b] if bias else [])]
+        expected = nn.functional.conv1d(*own[:2], own[2] if bias else None, stride=stride, padding=padding)
         torch.testing.assert_close(out[j], expected)
+        for fused_grad, expected_grad in zip(got, torch.autograd.grad(expected, own, out_grad[j]), strict=True):
+            torch.testing.assert_close(fused_grad[j], expected_grad)
     assert out.is_contiguous()
 
 
