@@ -26,9 +26,9 @@ def _shapes_reaching(monkeypatch: pytest.MonkeyPatch, *functions: str) -> list[t
     calls: list[tuple[int, ...]] = []
     for function in functions:
 
-        def counted(input: Tensor, *args: Any, original: Any = getattr(fl, function)) -> Tensor:
+        def counted(input: Tensor, *args: Any, original: Any = getattr(fl, function), **kwargs: Any) -> Tensor:
             calls.append(tuple(input.shape))
-            return original(input, *args)
+            return original(input, *args, **kwargs)
 
         monkeypatch.setattr(fl, function, counted)
     return calls
@@ -504,6 +504,41 @@ def test_a_sequentials_runs_give_vmaps_values_and_gradients_outside_vmaps_dispat
     for a, b in zip(actual[1], expected[1], strict=True):
         torch.testing.assert_close(a, b)
     assert "forward" not in vars(net)
+
+
+def test_inside_a_run_a_convolution_reads_the_last_ones_layout_and_the_run_hands_on_a_contiguous_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A convolution in a run leaves its output in the product's layout, which the next one (through an element-wise
+    layer) reads as it is; what leaves the run is contiguous, as the layers' own calls give it: a ``.view`` works."""
+    torch.manual_seed(0)
+    net, k = nn.Sequential(nn.Conv1d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv1d(4, 4, 3, stride=2), nn.ReLU()), 3
+    params = {name: torch.randn(k, *p.shape, requires_grad=True) for name, p in net.named_parameters()}
+    x = torch.randn(k, 5, 2, 13)
+
+    def flattened(p: dict[str, Tensor], xb: Tensor) -> Tensor:
+        out = functional_call(net, p, (xb,))
+        return out.view(out.shape[0], -1)  # (a view: needs the layers' contiguous output)
+
+    expected = vmap(flattened)(params, x)
+    expected_grads = torch.autograd.grad(expected.square().sum(), list(params.values()))
+    taken, contiguous_inputs = _runs_taken(monkeypatch), []
+    original = fl.conv1d_over_replicas
+
+    def convolution(input: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        contiguous_inputs.append(input.is_contiguous())
+        return original(input, *args, **kwargs)
+
+    monkeypatch.setattr(fl, "conv1d_over_replicas", convolution)
+    with fl.fused_layers(fl.fusable_layers(net, CPU)):
+        actual = vmap(flattened)(params, x)
+    assert taken == [4]
+    assert contiguous_inputs == [True, False]  # the second reads the first's (k, o, n, L) memory, transposed
+    torch.testing.assert_close(actual, expected)
+    for got, want in zip(
+        torch.autograd.grad(actual.square().sum(), list(params.values())), expected_grads, strict=True
+    ):
+        torch.testing.assert_close(got, want)
 
 
 class DoubledLinear(nn.Linear):
