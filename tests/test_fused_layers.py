@@ -3,6 +3,7 @@ afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from typing import Any
@@ -539,6 +540,15 @@ def test_inside_a_run_a_convolution_reads_the_last_ones_layout_and_the_run_hands
         torch.autograd.grad(actual.square().sum(), list(params.values())), expected_grads, strict=True
     ):
         torch.testing.assert_close(got, want)
+
+    def edited_in_place(p: dict[str, Tensor], xb: Tensor) -> Tensor:
+        return functional_call(net, p, (xb,)).mul_(2)  # the ReLU's output, which its backward reads
+
+    for fused in (False, True):  # autograd's error on both paths: the run hands on the tensor the ReLU saved
+        with fl.fused_layers(fl.fusable_layers(net, CPU)) if fused else contextlib.nullcontext():
+            edited = vmap(edited_in_place)(params, x)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(edited.sum(), list(params.values()))
 
 
 class DoubledLinear(nn.Linear):
