@@ -1619,7 +1619,11 @@ def test_a_run_that_unfroze_parameters_resumes_bitwise_as_it_went_on(how: str, t
         saving = [ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")] if ckpt_path is None else []
         strategy = CrossbowStrategy(replicas_per_device=3, algorithm="sma")  # (replicas apart from z)
         fit = trainer(
-            strategy=strategy, max_epochs=epochs, callbacks=[*callbacks(), *saving], enable_checkpointing=True
+            strategy=strategy,
+            max_epochs=epochs,
+            callbacks=[*callbacks(), *saving],
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,  # (the resumed fit's default ModelCheckpoint writes there, not in the cwd)
         )
         fit.fit(model, loader(make_data()), ckpt_path=ckpt_path)
         models.append(model)
