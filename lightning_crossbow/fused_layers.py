@@ -350,11 +350,14 @@ class _RunForm(NamedTuple):
     calls: Optional[tuple[Any, str]] = None  #: the function the layer's own forward calls, as (namespace, name)
     #: Whether the layer acts on each element alone (its output keeps its input's memory layout).
     elementwise: bool = False
+    #: Whether ``compute`` reads its input in any layout and gives a convolution's product, seen transposed (which
+    #: :func:`_run` hands on as it is only to another such layer).
+    transposed_product: bool = False
 
 
 #: The layers that take part in runs, by exact type.
 _IN_RUN: dict[type, _RunForm] = {
-    nn.Conv1d: _RunForm(_prepare_conv1d, _conv1d_in_run, (F, "conv1d")),
+    nn.Conv1d: _RunForm(_prepare_conv1d, _conv1d_in_run, (F, "conv1d"), transposed_product=True),
     nn.Linear: _RunForm(_prepare_linear, _linear_in_run, (F, "linear")),
     nn.Flatten: _RunForm(_no_parameters, _flatten_in_run),
     nn.Unflatten: _RunForm(_no_parameters, _unflatten_in_run),
@@ -444,7 +447,7 @@ def _run(layers: Sequence[nn.Module], x: Any) -> Optional[tuple[Tensor, int]]:
             if out is None:
                 break
             physical, taken = out, taken + 1
-            if form.compute is _conv1d_in_run:
+            if form.transposed_product:
                 transposed = _convolution_reads_next(prepared[index + 1 :])
                 physical = physical if transposed else physical.contiguous()
         if transposed:  # (a layer that refused its form ends the run: it runs as itself, on what its own call gives)
@@ -457,7 +460,7 @@ def _convolution_reads_next(layers: Sequence[tuple[nn.Module, _RunForm, Any]]) -
     product as it lies in memory; any other layer, and what leaves the run, gets it contiguous, as the layers' own
     calls give it (the tensors a user's ``.view()`` or in-place edit meets are then the ones autograd saved)."""
     following = next((form for _, form, _ in layers if not form.elementwise), None)
-    return following is not None and following.compute is _conv1d_in_run
+    return following is not None and following.transposed_product
 
 
 #: ``nn.Sequential.forward`` as PyTorch defines it (:func:`_torchs_own`).
