@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from tests.forked_launch import ForkedLauncher
 from tests.helpers import (
     ReferenceGossip,
     ReferenceScaledAveraging,
@@ -22,17 +24,24 @@ from tests.helpers import (
 )
 
 SCRIPT = Path(__file__).with_name("multiprocess_script.py")
-#: The launcher of tests about something else. Under torchrun both processes import torch and Lightning at once;
-#: Lightning's own launcher starts the second process only when the first reaches ``fit`` (some 4 s more a run here).
-ANY_LAUNCHER = "torchrun"
+#: The launcher of tests about something else: torchrun's environment in 2 processes forked from one that has imported
+#: torch, Lightning and crossbow (``tests/forked_launch.py``), which saves each run most of its start (under torchrun
+#: the processes import them at once, some 2 s more a run here; Lightning's own launcher starts the second process
+#: only when the first reaches ``fit``, some 4 s more).
+ANY_LAUNCHER = "forked"
+_FORKED = ForkedLauncher()
+atexit.register(_FORKED.close)
 
 
 def _run(tmp_path: Path, launcher: str, *args: str) -> subprocess.CompletedProcess:
-    """Runs the script on 2 processes: Lightning launches them (popen, spawn), or torchrun does."""
+    """Runs the script on 2 processes: Lightning launches them (popen, spawn), or torchrun does, or they are forked as
+    torchrun would start them (forked)."""
     launcher_variables = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
     env = {key: value for key, value in os.environ.items() if key not in launcher_variables}
+    if launcher == "forked":  # Lightning finds TorchElasticEnvironment and launches nothing itself
+        return _FORKED.run([str(tmp_path), "popen", *args], env, timeout=300)
     command = [sys.executable, str(SCRIPT), str(tmp_path), launcher, *args]
-    if launcher == "torchrun":  # Lightning finds TorchElasticEnvironment and launches nothing itself
+    if launcher == "torchrun":  # (idem)
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         command[command.index(launcher)] = "popen"
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
