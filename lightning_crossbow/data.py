@@ -132,8 +132,9 @@ class GatheredBatches(FetchedBatches):
     without the ``b`` calls of ``__getitem__`` and the collate: the same values, dtypes, shapes and memory layout,
     each batch in storage of its own (as a collated one: editing one in place, or keeping it, touches no other),
     its indices drawn from the batch sampler as the user's loader draws them (a ``TensorDataset`` draws no random
-    numbers when it is indexed). Indices that are not integers go to ``__getitem__`` one at a time, as a
-    ``DataLoader`` gives them (and fail as they fail there)."""
+    numbers when it is indexed). A batch of indices that are not all Python integers (``bool``, ``float``, NumPy
+    numbers, tensors) goes to ``__getitem__`` one index at a time, as a ``DataLoader`` fetches it (and fails as it
+    fails there): ``t[True]`` is not ``t[1]``."""
 
     def __getitems__(self, keys: list[Union[list[int], Iterator[list[int]]]]) -> list[Any]:
         batches: list[Any] = []
@@ -141,23 +142,24 @@ class GatheredBatches(FetchedBatches):
             indices = key if isinstance(key, list) else next(key, None)
             if indices is None:  # (the other keys are the same iterator, at its end)
                 break
-            index = torch.as_tensor(indices)
-            if index.dtype in _INTEGER_INDICES and index.dim() == 1:
+            if all(type(i) is int for i in indices):  # (what a BatchSampler over PyTorch's samplers gives)
+                index = torch.tensor(indices, dtype=torch.int64)
                 batches.append([tensor[index].contiguous() for tensor in self.dataset.tensors])
             else:
                 batches.append(super().__getitem__(indices))
         return batches + [NO_BATCH] * (len(keys) - len(batches))
 
 
-#: The index dtypes :class:`GatheredBatches` indexes with (others, bool or float, go to ``__getitem__``).
-_INTEGER_INDICES = (torch.int64, torch.int32)
-
-
 def _gathers(dataset: Any, collate_fn: Any) -> bool:
     """Whether :class:`GatheredBatches` makes the batches that a ``DataLoader`` over ``dataset`` with
-    ``collate_fn`` makes: a ``TensorDataset`` itself (not a subclass, which may index otherwise) and PyTorch's
+    ``collate_fn`` makes: a ``TensorDataset`` itself (not a subclass, which may index otherwise) of dense tensors
+    (a sparse or nested tensor's rows are indexed and stacked otherwise, where they are at all) and PyTorch's
     ``default_collate``."""
-    return type(dataset) is TensorDataset and collate_fn is default_collate
+    return (
+        type(dataset) is TensorDataset
+        and all(tensor.layout is torch.strided for tensor in dataset.tensors)
+        and collate_fn is default_collate
+    )
 
 
 def _batches_of_group(batches: list[Any]) -> list[Any]:

@@ -161,15 +161,19 @@ def test_a_tensor_datasets_groups_are_gathered_and_are_the_users_batches(
         assert mine.stride() == theirs.stride() and mine.untyped_storage().nbytes() == mine.nbytes
 
 
-def test_indices_that_are_not_integers_are_fetched_as_the_users_loader_fetches_them() -> None:
-    """A sampler of float indices: plain Lightning's loader fails in ``__getitem__``; so does the gathering one."""
+@pytest.mark.parametrize(
+    "indices", [[0.0, 1.5, 2.0, 3.0], [0, True, 2, 3]], ids=["floats", "a bool among integers (t[True] is not t[1])"]
+)
+def test_indices_that_are_not_integers_are_fetched_as_the_users_loader_fetches_them(indices: list) -> None:
+    """Plain Lightning's loader fails in ``__getitem__`` (floats) or in the collate (a bool indexes as a new
+    dimension); so does the gathering one, with the same error."""
     data = make_data(num_samples=8)
     errors = []
     for fetch_groups in (True, False):
-        grouped = ReplicaBatchLoader(DataLoader(data, batch_size=2, sampler=[0.0, 1.5, 2.0, 3.0]), 2, fetch_groups)
-        with pytest.raises(IndexError) as raised:
+        grouped = ReplicaBatchLoader(DataLoader(data, batch_size=2, sampler=indices), 2, fetch_groups)
+        with pytest.raises((IndexError, RuntimeError)) as raised:
             list(grouped)
-        errors.append(str(raised.value))
+        errors.append((type(raised.value), str(raised.value)))
     assert errors[0] == errors[1]
 
 
@@ -198,8 +202,9 @@ def test_a_training_step_that_edits_its_batch_in_place_trains_as_on_batches_fetc
     [
         lambda data: DataLoader(data, batch_size=4, collate_fn=lambda batch: torch.utils.data.default_collate(batch)),
         lambda data: DataLoader(type("OwnTensorDataset", (TensorDataset,), {})(*data.tensors), batch_size=4),
+        lambda data: DataLoader(TensorDataset(data.tensors[0].to_sparse(), data.tensors[1]), batch_size=4),
     ],
-    ids=["another collate_fn", "TensorDataset subclass"],
+    ids=["another collate_fn", "TensorDataset subclass", "a sparse tensor"],
 )
 def test_only_a_tensor_dataset_with_the_default_collate_is_gathered(make: Any) -> None:
     fetcher = group_fetching_loader(make(make_data()))
