@@ -171,7 +171,7 @@ def with_context_riders(context: StepContext, own: Tensor) -> Tensor:
 
 
 def own_riders(context: StepContext, riders: Tensor) -> Tensor:
-    """After :func:`all_reduce_riding`: copies the summed ``context.riders`` back in place and returns the rule's own."""
+    """After :func:`all_reduce_riding`: copies the summed ``context.riders`` back in place; returns the rule's own."""
     if context.riders is None:
         return riders
     context.riders.copy_(riders[: context.riders.numel()])

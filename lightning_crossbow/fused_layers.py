@@ -34,10 +34,10 @@ rows, then each replica's own reduction,
     \\text{ takes } x_{ji}[y_{ji}] \\text{ as it is}).
 
 The gain is small: at k=8 and b=16, one loss's forward and backward under ``vmap`` took 0.61 ms against 0.70 ms for
-``vmap``'s rule (cross-entropy; 0.56 against 0.73 ms for ``nll_loss``; one run of 15 repetitions each). Inside Lightning, the MNIST-1D CNN at k=8
-trained 1.06x and 1.10x the samples/s with it as without it (medians of per-round ratios, 9 and 7 interleaved rounds
-of 200 steps, 2 CPU threads; single rounds 0.83-1.37x); its forward, backward and SGD step alone, outside
-Lightning, gained 0-5% in three runs of 20-30 rounds. While the fused engine runs,
+``vmap``'s rule (cross-entropy; 0.56 against 0.73 ms for ``nll_loss``; one run of 15 repetitions each). Inside
+Lightning, the MNIST-1D CNN at k=8 trained 1.06x and 1.10x the samples/s with it as without it (medians of
+per-round ratios, 9 and 7 interleaved rounds of 200 steps, 2 CPU threads; single rounds 0.83-1.37x); its forward,
+backward and SGD step alone, outside Lightning, gained 0-5% in three runs of 20-30 rounds. While the fused engine runs,
 ``torch.nn.functional.cross_entropy`` and ``nll_loss`` (which ``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` call) are
 these forms. They take the plain case (``(n, C)`` scores batched over the replicas by the engine's ``vmap`` as the
 innermost transform, ``(n,)`` class indices, no class weights, no label smoothing) and pass every other call, inside

@@ -1638,8 +1638,8 @@ class CrossbowStrategy(DDPStrategy):
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self._center_stale = True
             return
-        if saved_optimizer is None:
-            return  # nothing trained: the replicas are copies of the checkpoint's z and start afresh, as plain Lightning
+        if saved_optimizer is None:  # nothing trained: the replicas, copies of the checkpoint's z, start afresh
+            return
         if len(saved_optimizer["param_groups"]) != len(optimizer.param_groups):
             raise ValueError(
                 f"crossbow: the checkpoint's optimizer has {len(saved_optimizer['param_groups'])} param group(s) and"

@@ -17,8 +17,8 @@ after the step has run: the form here raises in the forward, where ``engine="aut
 
 While the fused engine runs (:func:`corrected_under_vmap`), on every device, ``torch.nn.functional.embedding``
 (which ``nn.Embedding`` calls) is this form; calls whose weight ``vmap`` does not batch or that has no gradient (a
-frozen embedding, a buffer, calls outside the replicas' step) pass to PyTorch's own function unchanged. Code that bound the function before the step
-(``from torch.nn.functional import embedding``) keeps ``vmap``'s rule.
+frozen embedding, a buffer, calls outside the replicas' step) pass to PyTorch's own function unchanged. Code that
+bound the function before the step (``from torch.nn.functional import embedding``) keeps ``vmap``'s rule.
 """
 
 from __future__ import annotations
