@@ -10,7 +10,7 @@ Configurations: plain Lightning at b (the tuned setting); plain at 8b with the s
 with the linear scaling rule and a 5-epoch linear warm-up (Goyal et al. 2017); crossbow k=2, 4, 8
 at b with the lr unchanged (the default rule: scaled averaging with the measured gain); at k=8,
 every other rule and outer learning rate (Crossbow's SMA, EASGD, gossip, plain averaging, the
-linear and square-root rules) and the gain's smoothing; crossbow with ``replicas_per_device="auto"``.
+linear and square-root rules), an outer heavy-ball momentum on z, and the gain's smoothing; crossbow with ``replicas_per_device="auto"``.
 No per-k re-tuning of the user's hyper-parameters.
 Test accuracy is measured after every epoch; evaluation time is not counted as training time. The
 configurations run interleaved, seed by seed, so that a drift in the machine's speed falls on all alike.
@@ -157,6 +157,8 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         },
         "crossbow k=8, outer lr sqrt(8)": {"strategy": _crossbow(8, outer_lr=SCALE**0.5), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer lr 1 (plain averaging)": {"strategy": _crossbow(8, outer_lr=1.0), "batch": 1, "lr": 1.0},
+        "crossbow k=8, outer momentum 0.3": {"strategy": _crossbow(8, central_momentum=0.3), "batch": 1, "lr": 1.0},
+        "crossbow k=8, outer momentum 0.6": {"strategy": _crossbow(8, central_momentum=0.6), "batch": 1, "lr": 1.0},
         "crossbow k=8, sma (Crossbow's rule)": {"strategy": _crossbow(8, algorithm="sma"), "batch": 1, "lr": 1.0},
         "crossbow k=8, easgd": {"strategy": _crossbow(8, algorithm="easgd"), "batch": 1, "lr": 1.0},
         "crossbow k=8, gossip": {"strategy": _crossbow(8, algorithm="gossip"), "batch": 1, "lr": 1.0},
