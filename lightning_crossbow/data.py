@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from itertools import chain, islice
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -132,9 +133,9 @@ class GatheredBatches(FetchedBatches):
     without the ``b`` calls of ``__getitem__`` and the collate: the same values, dtypes, shapes and memory layout,
     each batch in storage of its own (as a collated one: editing one in place, or keeping it, touches no other),
     its indices drawn from the batch sampler as the user's loader draws them (a ``TensorDataset`` draws no random
-    numbers when it is indexed). A batch of indices that are not all Python integers (``bool``, ``float``, NumPy
-    numbers, tensors) goes to ``__getitem__`` one index at a time, as a ``DataLoader`` fetches it (and fails as it
-    fails there): ``t[True]`` is not ``t[1]``."""
+    numbers when it is indexed). A batch of indices that are not all integers (Python's or NumPy's) goes to
+    ``__getitem__`` one index at a time, as a ``DataLoader`` fetches it (and fails as it fails there): a ``bool``
+    among them (``t[True]`` is not ``t[1]``), a ``float``, a tensor."""
 
     def __getitems__(self, keys: list[Union[list[int], Iterator[list[int]]]]) -> list[Any]:
         batches: list[Any] = []
@@ -142,7 +143,7 @@ class GatheredBatches(FetchedBatches):
             indices = key if isinstance(key, list) else next(key, None)
             if indices is None:  # (the other keys are the same iterator, at its end)
                 break
-            if all(type(i) is int for i in indices):  # (what a BatchSampler over PyTorch's samplers gives)
+            if all(type(i) is int or isinstance(i, np.integer) for i in indices):  # (PyTorch's samplers give ints)
                 index = torch.tensor(indices, dtype=torch.int64)
                 batches.append([tensor[index].contiguous() for tensor in self.dataset.tensors])
             else:
@@ -157,7 +158,7 @@ def _gathers(dataset: Any, collate_fn: Any) -> bool:
     ``default_collate``."""
     return (
         type(dataset) is TensorDataset
-        and all(tensor.layout is torch.strided for tensor in dataset.tensors)
+        and all(tensor.layout is torch.strided and not tensor.is_nested for tensor in dataset.tensors)
         and collate_fn is default_collate
     )
 

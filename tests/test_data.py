@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
@@ -126,9 +127,9 @@ def test_fetched_groups_are_the_users_batches_through_k_changes_and_back_offs(
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("sampling", ["in order", "shuffled", "a NumPy array of indices"])
 def test_a_tensor_datasets_groups_are_gathered_and_are_the_users_batches(
-    shuffle: bool, drop_last: bool, iterator_steps: list[int]
+    sampling: str, drop_last: bool, iterator_steps: list[int]
 ) -> None:
     """A TensorDataset with the default collate: each batch is made with one indexing per tensor (none fetched sample
     by sample), and the batches are the user's loader's, value, dtype, shape, memory layout and type, each tensor in
@@ -144,9 +145,10 @@ def test_a_tensor_datasets_groups_are_gathered_and_are_the_users_batches(
         passes = []
         for fetch_groups in (True, False):
             torch.manual_seed(0)
-            grouped = ReplicaBatchLoader(
-                DataLoader(dataset, batch_size=4, shuffle=shuffle, drop_last=drop_last), 3, fetch_groups=fetch_groups
-            )
+            sampler = np.random.default_rng(0).permutation(45) if sampling.startswith("a NumPy") else None
+            shuffle = True if sampling == "shuffled" else None
+            loader = DataLoader(dataset, batch_size=4, shuffle=shuffle, sampler=sampler, drop_last=drop_last)
+            grouped = ReplicaBatchLoader(loader, 3, fetch_groups=fetch_groups)
             first = _groups(grouped, changes={1: 2, 3: 4}, give_back={2: 1})
             passes.append(
                 ([first, _groups(grouped, changes={}, give_back={}), torch.rand(())], len(fetched_one_by_one))
@@ -203,8 +205,11 @@ def test_a_training_step_that_edits_its_batch_in_place_trains_as_on_batches_fetc
         lambda data: DataLoader(data, batch_size=4, collate_fn=lambda batch: torch.utils.data.default_collate(batch)),
         lambda data: DataLoader(type("OwnTensorDataset", (TensorDataset,), {})(*data.tensors), batch_size=4),
         lambda data: DataLoader(TensorDataset(data.tensors[0].to_sparse(), data.tensors[1]), batch_size=4),
+        lambda data: DataLoader(
+            TensorDataset(torch.nested.nested_tensor(list(data.tensors[0])), data.tensors[1]), batch_size=4
+        ),
     ],
-    ids=["another collate_fn", "TensorDataset subclass", "a sparse tensor"],
+    ids=["another collate_fn", "TensorDataset subclass", "a sparse tensor", "a nested tensor"],
 )
 def test_only_a_tensor_dataset_with_the_default_collate_is_gathered(make: Any) -> None:
     fetcher = group_fetching_loader(make(make_data()))

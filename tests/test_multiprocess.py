@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from tests.forked_launch import ForkedLauncher
+from tests.forked_launch import ForkedLauncher, torchrun
 from tests.helpers import (
     ReferenceGossip,
     ReferenceScaledAveraging,
@@ -35,15 +35,15 @@ atexit.register(_FORKED.close)
 
 def _run(tmp_path: Path, launcher: str, *args: str) -> subprocess.CompletedProcess:
     """Runs the script on 2 processes: Lightning launches them (popen, spawn), or torchrun does, or they are forked as
-    torchrun would start them (forked)."""
+    torchrun would start them (forked). Either of the last two: Lightning finds TorchElasticEnvironment and launches
+    nothing itself."""
     launcher_variables = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
     env = {key: value for key, value in os.environ.items() if key not in launcher_variables}
-    if launcher == "forked":  # Lightning finds TorchElasticEnvironment and launches nothing itself
+    if launcher == "forked":
         return _FORKED.run([str(tmp_path), "popen", *args], env, timeout=300)
+    if launcher == "torchrun":
+        return torchrun([str(tmp_path), "popen", *args], env, timeout=300)
     command = [sys.executable, str(SCRIPT), str(tmp_path), launcher, *args]
-    if launcher == "torchrun":  # (idem)
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        command[command.index(launcher)] = "popen"
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
