@@ -133,9 +133,10 @@ class GatheredBatches(FetchedBatches):
     without the ``b`` calls of ``__getitem__`` and the collate: the same values, dtypes, shapes and memory layout,
     each batch in storage of its own (as a collated one: editing one in place, or keeping it, touches no other),
     its indices drawn from the batch sampler as the user's loader draws them (a ``TensorDataset`` draws no random
-    numbers when it is indexed). A batch of indices that are not all integers (Python's or NumPy's) goes to
-    ``__getitem__`` one index at a time, as a ``DataLoader`` fetches it (and fails as it fails there): a ``bool``
-    among them (``t[True]`` is not ``t[1]``), a ``float``, a tensor."""
+    numbers when it is indexed). A batch of indices that are not all integers (Python's, NumPy's, or one-number
+    tensors of a signed integer dtype: ``sampler=torch.randperm(n)``) goes to ``__getitem__`` one index at a time,
+    as a ``DataLoader`` fetches it (and fails as it fails there): a ``bool`` among them (``t[True]`` is not
+    ``t[1]``), a ``float``, a ``uint8`` tensor (a mask)."""
 
     def __getitems__(self, keys: list[Union[list[int], Iterator[list[int]]]]) -> list[Any]:
         batches: list[Any] = []
@@ -143,12 +144,24 @@ class GatheredBatches(FetchedBatches):
             indices = key if isinstance(key, list) else next(key, None)
             if indices is None:  # (the other keys are the same iterator, at its end)
                 break
-            if all(type(i) is int or isinstance(i, np.integer) for i in indices):  # (PyTorch's samplers give ints)
+            if all(type(i) is int or _integer(i) for i in indices):  # (PyTorch's samplers give ints)
                 index = torch.tensor(indices, dtype=torch.int64)
                 batches.append([tensor[index].contiguous() for tensor in self.dataset.tensors])
             else:
                 batches.append(super().__getitem__(indices))
         return batches + [NO_BATCH] * (len(keys) - len(batches))
+
+
+#: Integer dtypes that index as numbers (``torch.uint8`` and ``torch.bool`` index as masks).
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+def _integer(index: Any) -> bool:
+    """Whether ``index`` indexes a tensor's first dimension as the number it is: a NumPy integer, or a one-number
+    tensor of a signed integer dtype (a Python ``int`` is checked before)."""
+    if isinstance(index, Tensor):
+        return index.dim() == 0 and index.dtype in _INDEX_DTYPES
+    return isinstance(index, np.integer)
 
 
 def _gathers(dataset: Any, collate_fn: Any) -> bool:

@@ -127,7 +127,7 @@ def test_fetched_groups_are_the_users_batches_through_k_changes_and_back_offs(
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-@pytest.mark.parametrize("sampling", ["in order", "shuffled", "a NumPy array of indices"])
+@pytest.mark.parametrize("sampling", ["in order", "shuffled", "a NumPy array of indices", "a tensor of indices"])
 def test_a_tensor_datasets_groups_are_gathered_and_are_the_users_batches(
     sampling: str, drop_last: bool, iterator_steps: list[int]
 ) -> None:
@@ -145,7 +145,10 @@ def test_a_tensor_datasets_groups_are_gathered_and_are_the_users_batches(
         passes = []
         for fetch_groups in (True, False):
             torch.manual_seed(0)
-            sampler = np.random.default_rng(0).permutation(45) if sampling.startswith("a NumPy") else None
+            sampler = {
+                "a NumPy array of indices": np.random.default_rng(0).permutation(45),
+                "a tensor of indices": torch.randperm(45, generator=torch.Generator().manual_seed(0)).int(),
+            }.get(sampling)
             shuffle = True if sampling == "shuffled" else None
             loader = DataLoader(dataset, batch_size=4, shuffle=shuffle, sampler=sampler, drop_last=drop_last)
             grouped = ReplicaBatchLoader(loader, 3, fetch_groups=fetch_groups)
