@@ -10,7 +10,7 @@ Configurations: plain Lightning at b (the tuned setting); plain at 8b with the s
 with the linear scaling rule and a 5-epoch linear warm-up (Goyal et al. 2017); crossbow k=2, 4, 8
 at b with the lr unchanged (the default rule: scaled averaging with the measured gain); at k=8,
 every other rule and outer learning rate (Crossbow's SMA, EASGD, gossip, plain averaging, the
-linear and square-root rules), an outer heavy-ball momentum on z, and the gain's smoothing; crossbow with ``replicas_per_device="auto"``.
+linear and square-root rules), an outer heavy-ball momentum on z, the gain per parameter tensor, and the gain's smoothing; crossbow with ``replicas_per_device="auto"``.
 No per-k re-tuning of the user's hyper-parameters.
 Test accuracy is measured after every epoch; evaluation time is not counted as training time. The
 configurations run interleaved, seed by seed, so that a drift in the machine's speed falls on all alike.
@@ -40,6 +40,8 @@ from benchmarks.throughput import bare_trainer, machine, results_dir  # noqa: E4
 from examples.data import MNIST1D, ArrayDataModule, Digits  # noqa: E402
 from examples.models import Classifier, conv1d_net, mlp  # noqa: E402
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner  # noqa: E402
+from lightning_crossbow.algorithms import ScaledAveraging, gain_ratio, noise_and_signal  # noqa: E402
+from lightning_crossbow.sma import update_center_  # noqa: E402
 
 OUT = Path(__file__).with_name("out")
 SCALE = 8  # the large-batch baselines use SCALE x b
@@ -121,11 +123,50 @@ class TestAccuracyCurve(L.Callback):
             trainer.should_stop = True
 
 
+class PerTensorGain(ScaledAveraging):
+    r"""An experiment (one process, no learner left out): scaled averaging with AdaScale's gain measured and applied
+    per parameter tensor ``i`` ("corrections scaled per layer"), ``z_next[i] = z[i] + eta_i mean_j d_j[i]``, with
+    ``eta_i = gain_ratio(sigma_i^2, |g_i|^2, K)`` from the spread and mean of the ``K`` steps' ``d_j[i]``, each
+    averaged over steps with weight ``smoothing`` on the past, as the library's rule does over all tensors at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_tensor: dict[str, tuple[float, float]] = {}
+
+    def after_local_step(self, buckets: Any, context: Any) -> bool:
+        learners, beta, etas = context.num_learners, self.smoothing, []
+        for bucket in buckets:
+            steps = bucket.replicas - bucket.center  # (K, N): d_j
+            mean = steps.mean(0)
+            for name, start, end, _ in bucket.slices():
+                segment, mean_segment = steps[:, start:end], mean[start:end]
+                mean_square = float((segment * segment).sum()) / learners
+                noise, signal = noise_and_signal(mean_square, float(mean_segment @ mean_segment), learners)
+                past_noise, past_signal = self.per_tensor.get(name, (0.0, 0.0))
+                noise, signal = beta * past_noise + (1 - beta) * noise, beta * past_signal + (1 - beta) * signal
+                self.per_tensor[name] = (noise, signal)
+                eta = gain_ratio(noise, signal, learners)
+                mean_segment.mul_(eta)
+                etas.append(eta)
+            update_center_(bucket.center, bucket.center_prev, mean, self.central_momentum)
+        self.last_eta = statistics.fmean(etas)
+        return True
+
+
 def _crossbow(k: int, smoothing: Optional[float] = None, **kwargs: Any) -> Callable[[], CrossbowStrategy]:
     def make() -> CrossbowStrategy:
         strategy = CrossbowStrategy(k, **kwargs)
         if smoothing is not None:  # the adaptive gain's moving-average weight (0.9 by default)
             strategy.averaging.smoothing = smoothing
+        return strategy
+
+    return make
+
+
+def _per_tensor_gain(k: int) -> Callable[[], CrossbowStrategy]:
+    def make() -> CrossbowStrategy:
+        strategy = CrossbowStrategy(k)
+        strategy.averaging = PerTensorGain()
         return strategy
 
     return make
@@ -157,6 +198,7 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         },
         "crossbow k=8, outer lr sqrt(8)": {"strategy": _crossbow(8, outer_lr=SCALE**0.5), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer lr 1 (plain averaging)": {"strategy": _crossbow(8, outer_lr=1.0), "batch": 1, "lr": 1.0},
+        "crossbow k=8, gain per tensor": {"strategy": _per_tensor_gain(8), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer momentum 0.3": {"strategy": _crossbow(8, central_momentum=0.3), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer momentum 0.6": {"strategy": _crossbow(8, central_momentum=0.6), "batch": 1, "lr": 1.0},
         "crossbow k=8, sma (Crossbow's rule)": {"strategy": _crossbow(8, algorithm="sma"), "batch": 1, "lr": 1.0},
