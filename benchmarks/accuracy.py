@@ -10,7 +10,8 @@ Configurations: plain Lightning at b (the tuned setting); plain at 8b with the s
 with the linear scaling rule and a 5-epoch linear warm-up (Goyal et al. 2017); crossbow k=2, 4, 8
 at b with the lr unchanged (the default rule: scaled averaging with the measured gain); at k=8,
 every other rule and outer learning rate (Crossbow's SMA, EASGD, gossip, plain averaging, the
-linear and square-root rules), an outer heavy-ball momentum on z, the gain per parameter tensor, and the gain's smoothing; crossbow with ``replicas_per_device="auto"``.
+linear and square-root rules), an outer heavy-ball momentum on z, the gain per parameter tensor, and
+the gain's smoothing; crossbow with ``replicas_per_device="auto"``.
 No per-k re-tuning of the user's hyper-parameters.
 Test accuracy is measured after every epoch; evaluation time is not counted as training time. The
 configurations run interleaved, seed by seed, so that a drift in the machine's speed falls on all alike.
