@@ -8,7 +8,8 @@ own parameters are re-bound as views of the flat ``center`` buffer: they ARE the
 and the SMA update is a few whole-buffer operations (see :mod:`lightning_crossbow.sma`).
 
 Buffers (BatchNorm running statistics, ...) are stacked per buffer, ``(k, *b.shape)``, one set of
-statistics per replica; the module's own buffers receive their mean on :meth:`sync_center_buffers_`.
+statistics per replica; the module's own buffers receive their mean on :meth:`sync_center_buffers_`, and a change
+that code outside the step makes to one of them goes to every replica (:meth:`take_center_buffer_changes_`).
 """
 
 from __future__ import annotations
@@ -141,6 +142,13 @@ class ReplicaStack:
             name: buf.detach().unsqueeze(0).repeat(num_replicas, *([1] * buf.dim()))
             for name, buf in module.named_buffers()
         }
+        #: Where each of z's buffers (the module's own) lives: its owning module and attribute (looked up once).
+        self._center_buffer_slots: dict[str, tuple[nn.Module, str]] = {
+            name: (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name in self.buffers
+        }
+        #: Each of z's buffers as last written or taken by this stack, and its version then.
+        self._center_buffers_seen: dict[str, tuple[Tensor, int]] = {}
+        self.note_center_buffers()
         self._bind_center(module)
 
     def _add_buckets(self, members: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
@@ -300,24 +308,61 @@ class ReplicaStack:
             else:
                 stack[rows] = center
 
+    def _center_buffer(self, name: str) -> Optional[Tensor]:
+        """z's buffer ``name``, as the module holds it now (None where it was set to None)."""
+        owner, attribute = self._center_buffer_slots[name]
+        return owner._buffers.get(attribute)
+
+    def note_center_buffers(self) -> None:
+        """Notes z's buffers as they are now: what :meth:`take_center_buffer_changes_` compares against."""
+        self._center_buffers_seen = {
+            name: (buf, buf._version) for name in self.buffers if (buf := self._center_buffer(name)) is not None
+        }
+
     @torch.no_grad()
-    def sync_center_buffers_(self, module: nn.Module, all_reduce_mean: Optional[BufferReducer] = None) -> None:
+    def take_center_buffer_changes_(self) -> list[str]:
+        """Every replica takes z's value of each buffer that changed since this stack last wrote or took z's buffers:
+        one that a hook or callback changed (a step counter, an annealed temperature, an ``AveragedModel``'s
+        ``n_averaged``), in place or by assigning a new tensor, keeps its new value from then on, as the module's own
+        buffer keeps it in plain Lightning, where the replicas' mean would otherwise overwrite it. Returns their
+        names. (A version counter and an identity per buffer: nothing is compared value by value.)"""
+        taken = []
+        for name in self.buffers:
+            buf = self._center_buffer(name)
+            seen = self._center_buffers_seen.get(name)
+            if buf is None or (seen is not None and buf is seen[0] and buf._version == seen[1]):
+                continue  # (unchanged; or set to None, where the replicas keep theirs)
+            stack = self.buffers[name]
+            if buf.shape == stack.shape[1:] and buf.dtype == stack.dtype and buf.device == stack.device:
+                stack.copy_(buf.expand_as(stack))
+            else:  # (assigned anew, in another shape or dtype)
+                self.buffers[name] = buf.detach().unsqueeze(0).repeat(self.num_replicas, *([1] * buf.dim()))
+            taken.append(name)
+        if taken:
+            self.note_center_buffers()
+        return taken
+
+    @torch.no_grad()
+    def sync_center_buffers_(self, all_reduce_mean: Optional[BufferReducer] = None) -> None:
         """z's buffers <- the mean over all replicas (floating point: one mean over the replicas of every buffer of a
         dtype flattened together, and across processes one ``all_reduce_mean`` of it); integer buffers take
-        replica 0's."""
+        replica 0's. A buffer of z that changed since it was last written (:meth:`take_center_buffer_changes_`) is
+        first taken by every replica: its mean is then that value."""
+        self.take_center_buffer_changes_()
         floating: dict[torch.dtype, list[str]] = {}
         integers: list[str] = []
         for name, stack in self.buffers.items():
             (floating.setdefault(stack.dtype, []) if stack.is_floating_point() else integers).append(name)
         if integers:
-            torch._foreach_copy_([module.get_buffer(n) for n in integers], [self.buffers[n][0] for n in integers])
+            torch._foreach_copy_([self._center_buffer(n) for n in integers], [self.buffers[n][0] for n in integers])
         for names in floating.values():
             means = torch.cat([rows_of(self.buffers[name]) for name in names], dim=1).mean(0)
             if all_reduce_mean is not None:
                 means = all_reduce_mean(means)
-            targets = [module.get_buffer(name) for name in names]
+            targets = [self._center_buffer(name) for name in names]
             parts = means.split([target.numel() for target in targets])
             torch._foreach_copy_(targets, [part.view_as(target) for part, target in zip(parts, targets, strict=True)])
+        self.note_center_buffers()
 
     @torch.no_grad()
     def resize_(self, num_replicas: int) -> None:

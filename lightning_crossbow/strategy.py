@@ -645,6 +645,7 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
             # The first group made after set_replicas_per_device: resize before the step's corrections.
             self._resize_replicas(len(batch))
+        self.stack.take_center_buffer_changes_()  # (what a hook set since the last step)
         self._follow_trainable_parameters(step_starts=not self._gradients_pending)
         if not self._gradients_pending:  # an optimizer step's first batch (the lr changes only between steps)
             self._reset_if_lr_dropped()
@@ -1389,7 +1390,7 @@ class CrossbowStrategy(DDPStrategy):
                 for bucket in self.stack.buckets:
                     mean = bucket.replicas.mean(0)
                     bucket.center.copy_(mean if reduce is None else reduce(mean))
-            self.stack.sync_center_buffers_(self.lightning_module, reduce)
+            self.stack.sync_center_buffers_(reduce)
         self._center_stale = False
 
     def _form_center_after_step(self) -> None:
@@ -1402,7 +1403,7 @@ class CrossbowStrategy(DDPStrategy):
         if self.world_size == 1 or (self.averaging.center_is_learner_mean and self._ends_an_epoch()):
             self.sync_center()
         elif not self.averaging.center_is_learner_mean:
-            self.stack.sync_center_buffers_(self.lightning_module, self._all_reduce_mean)
+            self.stack.sync_center_buffers_(self._all_reduce_mean)
             self._center_stale = False  # (z itself: the averaging's own, in place)
 
     def _all_reduce_mean(self, tensor: Tensor) -> Tensor:
@@ -1635,6 +1636,7 @@ class CrossbowStrategy(DDPStrategy):
             rank_state = state["ranks"][self.global_rank]
             optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
             self.stack.load_state_dict(rank_state["stack"])
+            self.stack.note_center_buffers()  # (the replicas' own buffers, not z's, go on)
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self._center_stale = True
             return

@@ -1785,3 +1785,64 @@ def test_the_modules_gradients_are_cleared_when_zero_grad_clears_the_replicas() 
             if e is not None:
                 torch.testing.assert_close(g, e, rtol=0, atol=0)
     assert any(hook == "on_before_zero_grad" and grads[0] is not None for hook, grads in plain)  # (not vacuous)
+
+
+class _SchedulesItsBuffers(Classifier):
+    """Buffers that hooks change outside the step, as schedules, counters and EMAs do: a temperature annealed at each
+    epoch's start (in place) and read by the step, a step counter (in place, after every batch), a last-epoch mark
+    assigned anew at each epoch's end, and an ``AveragedModel`` of the network updated after every optimizer step
+    (its ``n_averaged`` buffer counts the updates)."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="plain_sgd")
+        self.register_buffer("temperature", torch.tensor(1.0))
+        self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
+        self.register_buffer("last_epoch", torch.tensor(-1))
+        self.ema = torch.optim.swa_utils.AveragedModel(self.net, multi_avg_fn=None)
+        self.ema.requires_grad_(False)
+        self.temperatures_read: list[float] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.temperature.fill_(0.5**self.current_epoch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        if not is_functorch_wrapped_tensor(self.temperature):  # (one replica at a time: what it reads)
+            self.temperatures_read.append(float(self.temperature))
+        return nn.functional.cross_entropy(self(x) / self.temperature, y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.steps_done += 1
+        self.ema.update_parameters(self.net)
+
+    def on_train_epoch_end(self) -> None:
+        self.last_epoch = torch.tensor(self.current_epoch)
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_buffers_that_hooks_change_keep_their_values_as_in_plain_lightning(engine: str) -> None:
+    """A buffer of the module that a hook changes (in place or assigned anew) keeps the hook's value: the replicas
+    take it, and the replicas' mean does not overwrite it. At k=1, bitwise plain Lightning's run; at k=3, the
+    counters count crossbow's steps and every replica reads the annealed temperature."""
+    results = {}
+    for name, strategy, replicas in [
+        ("plain", "auto", 1),
+        ("k=1", CrossbowStrategy(replicas_per_device=1, engine=engine), 1),
+        ("k=3", CrossbowStrategy(replicas_per_device=3, engine=engine), 3),
+    ]:
+        torch.manual_seed(0)
+        model = _SchedulesItsBuffers()
+        fit = trainer(strategy=strategy, max_epochs=3)
+        fit.fit(model, loader(make_data(num_samples=48)))
+        results[name] = (model, fit.global_step, replicas)
+    plain = results["plain"][0]
+    assert int(plain.steps_done) == 18 and int(plain.ema.n_averaged) == 18 and float(plain.temperature) == 0.25
+    one = results["k=1"][0]
+    for mine, theirs in zip(one.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert one.temperatures_read == plain.temperatures_read
+    three, steps, k = results["k=3"]
+    assert steps == 6 and int(three.steps_done) == 6 and int(three.ema.n_averaged) == 6
+    assert float(three.temperature) == 0.25 and int(three.last_epoch) == 2
+    if engine == "sequential":  # each replica reads the temperature of its epoch: 1, 0.5, 0.25 for 2 steps each
+        assert three.temperatures_read == [t for t in (1.0, 0.5, 0.25) for _ in range(2 * k)]
