@@ -417,7 +417,8 @@ class FusedEngine(Engine):
 
         if self._fused_layers is None:
             self._fused_layers = fusable_layers(self.module, device)
-        kept = KeptTensors(self.module)
+        trainer = getattr(self.module, "_trainer", None)
+        kept = KeptTensors(self.module, trainer.callbacks if trainer is not None else ())
         try:
             with fused_layers(self._fused_layers, losses=fuses_on(device)), corrected_under_vmap():
                 losses, extras, logged, replaced = lean_vmap(
@@ -426,7 +427,7 @@ class FusedEngine(Engine):
             escaped = kept.escaped()
             if escaped is not None:
                 raise NotFusableError(
-                    f"training_step keeps tensors computed under vmap in {escaped}, where they would escape it (the"
+                    f"the step keeps tensors computed under vmap in {escaped}, where they would escape it (the"
                     " sequential engine keeps each replica's own); use engine='auto' or 'sequential'"
                 )
             _check_no_escaped_metric_state(self.metrics)

@@ -411,7 +411,7 @@ def _runs_over_replicas(layer: nn.Module) -> bool:
     )
 
 
-def _global_module_hooks() -> bool:
+def global_module_hooks() -> bool:
     """Whether hooks are registered for every module (``nn.modules.module.register_module_forward_hook`` and the
     like): a run calls none, so none runs while there are any."""
     hooks = torch.nn.modules.module
@@ -478,7 +478,7 @@ def _fused_sequential(sequential: nn.Sequential, *args: Any, **kwargs: Any) -> A
         not isinstance(input, Tensor)
         or nn.Sequential.forward is not _OWN_SEQUENTIAL_FORWARD  # (replaced on the class: the replacement runs)
         or torch.is_autocast_enabled(input.device.type)
-        or _global_module_hooks()
+        or global_module_hooks()
     ):
         return nn.Sequential.forward(sequential, *args, **kwargs)  # (with PyTorch's own error for other arguments)
     layers, x, index = list(sequential), input, 0

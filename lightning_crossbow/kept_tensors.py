@@ -14,20 +14,24 @@ dict keeps its keys in insertion order). Where the attempt failed, for that or a
 those attributes is undone: an attribute it set is set back (a counter it raised), one it added is removed, the
 small containers are put back, and the ``vmap`` tensors are taken out of the larger ones' last items (other items
 it added to a larger container stay). ``engine="auto"`` then runs the step again sequentially; ``engine="fused"``
-refuses it. Not looked at: sets, other objects' attributes, a submodule's attributes, and an earlier item of a
-large container replaced (a tensor kept there still fails inside PyTorch).
+refuses it. Where a module hook runs during the step (a forward hook that a callback registered, say), the
+callbacks' attributes are looked at and undone alike (an activation-statistics callback keeping a layer's output in
+a dict of its own). Not looked at: sets, other objects' attributes, a submodule's attributes, and an earlier item of
+a large container replaced (a tensor kept there still fails inside PyTorch).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Reversible
+from collections.abc import Reversible, Sequence
 from functools import cache
 from itertools import islice
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 from torch import Tensor, nn
+
+from lightning_crossbow.fused_layers import global_module_hooks
 
 try:
     from torch._C._functorch import is_functorch_wrapped_tensor
@@ -123,35 +127,29 @@ def _put_back(copy: tuple[Any, list[Any]]) -> None:
             _put_back(inner)
 
 
-class KeptTensors:
-    """The module's attributes before a fused step (and copies of its small containers): :meth:`escaped` then says
-    where the step kept ``vmap``'s tensors, and :meth:`undo` undoes what the step did to those attributes."""
+class _AttributesOf:
+    """One object's attributes before a fused step (and copies of its small containers), named ``label`` in messages;
+    ``excluded`` names attributes that are not the user's (a framework base's own)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, holder: object, label: str, excluded: frozenset[str]) -> None:
+        self.holder, self.label, self.excluded = holder, label, excluded
         self.attributes = self._user_attributes()
         self.copies = {name: _copy(value) for name, value in self.attributes.items()}
 
     def _user_attributes(self) -> dict[str, Any]:
-        own = _own_attributes(type(self.module))
-        return {name: value for name, value in vars(self.module).items() if name not in own}
+        return {name: value for name, value in vars(self.holder).items() if name not in self.excluded}
 
-    def escaped(self) -> Optional[str]:
-        """Where the step kept ``vmap``'s tensors (None: nowhere)."""
-        kept = [
-            f"self.{name}"
+    def escaped(self) -> list[str]:
+        return [
+            f"{self.label}.{name}"
             if value is not self.attributes.get(name, _MISSING)
-            else f"self.{name} (a {type(value).__name__})"
+            else f"{self.label}.{name} (a {type(value).__name__})"
             for name, value in self._user_attributes().items()
             if _escaped(value)
         ]
-        return ", ".join(kept) or None
 
     def undo(self) -> None:
-        """Undoes what the step did to the module's attributes: those it set are set back, those it added removed,
-        the small containers put back; then no ``vmap`` tensor is left in them (nor in a large container's last
-        items, nor in the containers a tuple holds)."""
-        current = vars(self.module)
+        current = vars(self.holder)
         for name in self._user_attributes():
             if name not in self.attributes:
                 del current[name]  # (set by the step)
@@ -160,3 +158,35 @@ class KeptTensors:
             if self.copies[name] is not None:
                 _put_back(self.copies[name])
             _take_out(before)
+
+
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether a hook of ``module``'s or of any of its submodules, or a global module hook, runs during its forward or
+    backward (where it may keep a step's tensors elsewhere: an activation-statistics callback's own dict, say)."""
+    return global_module_hooks() or any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in module.modules()
+    )
+
+
+class KeptTensors:
+    """The module's attributes before a fused step (and copies of its small containers), and the callbacks' where a
+    module hook runs during the step (one may keep a layer's output in a callback, as activation-statistics callbacks
+    do): :meth:`escaped` then says where the step kept ``vmap``'s tensors, and :meth:`undo` undoes what the step did
+    to those attributes."""
+
+    def __init__(self, module: nn.Module, callbacks: Sequence[object] = ()) -> None:
+        self.module = module
+        self.holders = [_AttributesOf(module, "self", _own_attributes(type(module)))]
+        if callbacks and has_module_hooks(module):
+            self.holders += [_AttributesOf(callback, type(callback).__name__, frozenset()) for callback in callbacks]
+
+    def escaped(self) -> Optional[str]:
+        """Where the step kept ``vmap``'s tensors (None: nowhere)."""
+        return ", ".join(place for holder in self.holders for place in holder.escaped()) or None
+
+    def undo(self) -> None:
+        """Undoes what the step did to the attributes: those it set are set back, those it added removed, the small
+        containers put back; then no ``vmap`` tensor is left in them (nor in a large container's last items, nor in
+        the containers a tuple holds)."""
+        for holder in self.holders:
+            holder.undo()

@@ -712,6 +712,44 @@ def test_tensors_a_step_keeps_on_the_module_run_sequentially_under_auto_and_are_
         )
 
 
+class _KeepsActivations(L.Callback):
+    """A forward hook registered at fit start keeps the first layer's output in the callback's own dict, and the
+    callback reads it after every batch, as activation-statistics callbacks do."""
+
+    def __init__(self) -> None:
+        self.activations: dict[str, Tensor] = {}
+        self.means: list[float] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.net[0].register_forward_hook(lambda module, args, out: self.activations.update(first=out.detach()))
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.means.append(float(self.activations["first"].mean()))
+
+
+def test_a_tensor_that_a_hook_keeps_in_a_callback_runs_sequentially_under_auto_and_is_refused_by_fused() -> None:
+    """Under vmap the hook's tensor would escape into the callback (its read after the batch fails inside PyTorch):
+    auto undoes the fused attempt on the callback's attributes and runs what the sequential engine runs; fused names
+    the callback's attribute."""
+    means = {}
+    for engine in ("auto", "sequential"):
+        callback = _KeepsActivations()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), callbacks=[callback]).fit(
+                Classifier(), loader(make_data(num_samples=32))
+            )
+        fell_back = [str(w.message) for w in record if "Falling back" in str(w.message)]
+        assert len(fell_back) == (engine == "auto")
+        assert all("_KeepsActivations.activations (a dict)" in message for message in fell_back)
+        means[engine] = callback.means
+    assert len(means["auto"]) == 2 and means["auto"] == means["sequential"]  # (the last replica's, each step)
+    with pytest.raises(NotFusableError, match=r"vmap in _KeepsActivations\.activations \(a dict\), where"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="fused"), callbacks=[_KeepsActivations()]).fit(
+            Classifier(), loader(make_data(num_samples=32))
+        )
+
+
 class _CountsThenFailsUnderVmap(_ItemAtThirdStep):
     """Counts its steps on the module, then (from the third step on) calls ``.item()``, which vmap cannot run."""
 
