@@ -178,7 +178,11 @@ class KeptTensors:
         self.module = module
         self.holders = [_AttributesOf(module, "self", _own_attributes(type(module)))]
         if callbacks and has_module_hooks(module):
-            self.holders += [_AttributesOf(callback, type(callback).__name__, frozenset()) for callback in callbacks]
+            self.holders += [
+                _AttributesOf(callback, type(callback).__name__, frozenset())
+                for callback in callbacks
+                if hasattr(callback, "__dict__")  # (not one of __slots__ only)
+            ]
 
     def escaped(self) -> Optional[str]:
         """Where the step kept ``vmap``'s tensors (None: nowhere)."""
