@@ -406,6 +406,15 @@ class CrossbowStrategy(DDPStrategy):
                 " statistics and z gets their mean over every replica of every process, so there is nothing to"
                 " synchronise during the forward. Leave sync_batchnorm=False."
             )
+        synced = [name for name, layer in module.named_modules() if isinstance(layer, torch.nn.SyncBatchNorm)]
+        if fitting and synced:
+            named = ", ".join(synced[:3]) + (", ..." if len(synced) > 3 else "")
+            raise ValueError(
+                f"crossbow does not train SyncBatchNorm layers ({named}):"
+                " each replica keeps its own BatchNorm statistics and z gets their mean over every replica of every"
+                " process, so there is nothing to synchronise during the forward. Build the model with BatchNorm"
+                " layers (without nn.SyncBatchNorm.convert_sync_batchnorm)."
+            )
         self._fit_loader = None  # (configure_optimizers may make it, in the set-up)
         if fitting and self.balancer is not None:
             # Before Lightning's set-up: configure_optimizers may read trainer.estimated_stepping_batches, which makes

@@ -168,6 +168,24 @@ def test_sync_batchnorm_is_refused_for_training_with_the_reason() -> None:
     fit.validate(Classifier(), loader(make_data()))  # evaluation uses the running statistics: nothing to refuse
 
 
+class _WithSyncBatchNorm(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+            torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+        )
+
+
+def test_sync_batchnorm_layers_are_refused_before_training_naming_them() -> None:
+    """A model converted by the user (nn.SyncBatchNorm.convert_sync_batchnorm) is refused as sync_batchnorm=True is,
+    before any training (PyTorch's own error, on CPU, came from inside the first step)."""
+    model = _WithSyncBatchNorm()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"does not train SyncBatchNorm layers \(net\.1\): each replica keeps"):
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2)).fit(model, loader(make_data()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
 def test_the_accelerators_device_stats_add_to_lightnings_own() -> None:
     from lightning.pytorch.accelerators import CPUAccelerator
 
