@@ -44,6 +44,7 @@ from benchmarks.accuracy import WORKLOADS, _median, train_to_target  # noqa: E40
 from benchmarks.throughput import StepTimer, bare_trainer, results_dir, save_result  # noqa: E402
 from examples.models import Classifier, conv1d_net  # noqa: E402
 from lightning_crossbow import CrossbowStrategy  # noqa: E402
+from lightning_crossbow.balancing import StepTime  # noqa: E402
 
 SLOW_RANK, SLOWDOWN = 1, 2.0
 BATCH = int(os.environ.get("CROSSBOW_BENCH_BATCH", 16))  # per-replica batch (set by --batch-size)
@@ -79,6 +80,14 @@ class SplitRecorder(L.Callback):
         if balancer is not None:
             self.split, self.history = strategy._split, balancer.history
             self.models_ms = [(1e3 * m.fixed, 1e3 * m.per_learner) for m in balancer.step_times() or ()]
+
+
+def balance_bound(split: list[int], models_ms: list[tuple[float, float]]) -> float:
+    """What the split allows by its balance alone, were synchronising free: samples/s of a synchronous step of the
+    slowest rank's busy time over the sum of each rank's alone at its k, by the balancer's fitted models
+    ``T_r(k) = fixed_r + per_learner_r k``: ``(sum_r k_r / max_r T_r(k_r)) / sum_r (k_r / T_r(k_r))``."""
+    times = [StepTime(fixed, per_learner)(k) for k, (fixed, per_learner) in zip(split, models_ms, strict=True)]
+    return (sum(split) / max(times)) / sum(k / t for k, t in zip(split, times))
 
 
 def _strategy(mode: str, k: int) -> CrossbowStrategy:
@@ -201,6 +210,8 @@ def main() -> None:
                 run["alone_side_by_side"]
             )
             run["heterogeneous_over_uniform"] = heterogeneous["samples_per_sec"] / run["uniform"]["samples_per_sec"]
+            if heterogeneous["step_models_ms"]:
+                run["balance_bound"] = balance_bound(split, heterogeneous["step_models_ms"])
             equal_pair = _launch(out, "throughput", "uniform", "2", "0", "0", throttle=False)["samples_per_sec"]
             equal_alone = _launch(out, "throughput", "uniform", "1", "0", str(k), throttle=False)["samples_per_sec"]
             run["unthrottled"] = {"two_processes": equal_pair, "one_alone": equal_alone}
@@ -212,7 +223,8 @@ def main() -> None:
                 f" heterogeneous / sum alone {run['heterogeneous_over_sum_alone']:.2f}, / sum side by side"
                 f" {run['heterogeneous_over_sum_side_by_side']:.2f},"
                 f" / uniform {run['heterogeneous_over_uniform']:.2f}; unthrottled, 2 processes / twice one alone"
-                f" {run['unthrottled_two_over_twice_alone']:.2f}",
+                f" {run['unthrottled_two_over_twice_alone']:.2f}; the split's balance alone allows"
+                f" {run.get('balance_bound', float('nan')):.2f} of the sum alone",
                 flush=True,
             )
         accuracy: dict[str, Any] = {}
