@@ -1645,7 +1645,9 @@ class CrossbowStrategy(DDPStrategy):
             rank_state = state["ranks"][self.global_rank]
             optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
             self.stack.load_state_dict(rank_state["stack"])
-            self.stack.note_center_buffers()  # (the replicas' own buffers, not z's, go on)
+            # z's buffers were restored before the set-up made the replicas: what changed them since is a hook's
+            # (on_fit_start's), which the loaded replicas take; their own buffers otherwise go on.
+            self.stack.take_center_buffer_changes_()
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self._center_stale = True
             return

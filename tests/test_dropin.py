@@ -1884,3 +1884,39 @@ def test_buffers_that_hooks_change_keep_their_values_as_in_plain_lightning(engin
     assert float(three.temperature) == 0.25 and int(three.last_epoch) == 2
     if engine == "sequential":  # each replica reads the temperature of its epoch: 1, 0.5, 0.25 for 2 steps each
         assert three.temperatures_read == [t for t in (1.0, 0.5, 0.25) for _ in range(2 * k)]
+
+
+class _ScalesAtFitStart(Classifier):
+    """A buffer that ``on_fit_start`` sets (after a resume's checkpoint was restored), read by every step."""
+
+    def __init__(self, scale_at_fit_start: float) -> None:
+        super().__init__(optimizer="plain_sgd")
+        self.register_buffer("scale", torch.tensor(1.0))
+        self.scale_at_fit_start = scale_at_fit_start
+
+    def on_fit_start(self) -> None:
+        self.scale.fill_(self.scale_at_fit_start)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x) * self.scale, y)
+
+
+def test_a_buffer_set_at_fit_start_of_a_resumed_fit_is_taken_by_the_restored_replicas(tmp_path: Path) -> None:
+    """A resumed fit restores z's buffers before the replicas are made and the replicas' own from crossbow's state
+    after ``on_fit_start``: what that hook set goes to the restored replicas too, as in plain Lightning (bitwise at
+    k=1)."""
+    states = {}
+    for name, make in [("plain", lambda: "auto"), ("crossbow", lambda: CrossbowStrategy(replicas_per_device=1))]:
+        torch.manual_seed(0)
+        first = trainer(strategy=make(), max_epochs=1)
+        first.fit(_ScalesAtFitStart(2.0), loader(make_data(num_samples=32)))
+        first.save_checkpoint(tmp_path / f"{name}.ckpt")
+        model = _ScalesAtFitStart(0.5)
+        trainer(strategy=make(), max_epochs=3).fit(
+            model, loader(make_data(num_samples=32)), ckpt_path=tmp_path / f"{name}.ckpt"
+        )
+        states[name] = model.state_dict()
+    assert float(states["plain"]["scale"]) == 0.5
+    for key, value in states["plain"].items():
+        assert torch.equal(states["crossbow"][key], value), key
