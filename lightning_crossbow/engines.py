@@ -42,7 +42,7 @@ from typing_extensions import override
 
 from lightning_crossbow.data import tensor_sequences
 from lightning_crossbow.fused_layers import fusable_layers, fused_layers, fuses_on
-from lightning_crossbow.kept_tensors import KeptTensors
+from lightning_crossbow.kept_tensors import KeptTensors, has_module_hooks
 from lightning_crossbow.lean_vmap import lean_vmap
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack
@@ -358,6 +358,7 @@ class FusedEngine(Engine):
         self.sequential = SequentialEngine(module)  #: for groups whose batches cannot be stacked
         self._autocast_warned = False
         self._fused_layers: Optional[list[nn.Module]] = None  #: the layers run fused (found at the first step)
+        self._submodules: Optional[list[nn.Module]] = None  #: the module and its submodules (listed at the first step)
         self._wrong_layer: Optional[str] = None  #: why vmap gets a layer wrong ("" for none; found at the first step)
         self.metrics = _metrics_of(module)  #: the module's torchmetrics metrics (walked once)
         self.ran_fused = False  #: whether the last step ran under vmap (not a group that could not be stacked)
@@ -417,8 +418,10 @@ class FusedEngine(Engine):
 
         if self._fused_layers is None:
             self._fused_layers = fusable_layers(self.module, device)
+            self._submodules = list(self.module.modules())
         trainer = getattr(self.module, "_trainer", None)
-        kept = KeptTensors(self.module, trainer.callbacks if trainer is not None else ())
+        callbacks = trainer.callbacks if trainer is not None else ()
+        kept = KeptTensors(self.module, callbacks, hooks=bool(callbacks) and has_module_hooks(self._submodules or ()))
         try:
             with fused_layers(self._fused_layers, losses=fuses_on(device)), corrected_under_vmap():
                 losses, extras, logged, replaced = lean_vmap(

@@ -23,7 +23,7 @@ a large container replaced (a tensor kept there still fails inside PyTorch).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Reversible, Sequence
+from collections.abc import Iterable, Reversible, Sequence
 from functools import cache
 from itertools import islice
 from typing import Any, Optional
@@ -160,11 +160,11 @@ class _AttributesOf:
             _take_out(before)
 
 
-def has_module_hooks(module: nn.Module) -> bool:
-    """Whether a hook of ``module``'s or of any of its submodules, or a global module hook, runs during its forward or
-    backward (where it may keep a step's tensors elsewhere: an activation-statistics callback's own dict, say)."""
+def has_module_hooks(modules: Iterable[nn.Module]) -> bool:
+    """Whether a hook of one of ``modules`` (a module and its submodules), or a global module hook, runs during their
+    forward or backward (where it may keep a step's tensors elsewhere: an activation-statistics callback's own dict)."""
     return global_module_hooks() or any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in module.modules()
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules
     )
 
 
@@ -174,10 +174,12 @@ class KeptTensors:
     do): :meth:`escaped` then says where the step kept ``vmap``'s tensors, and :meth:`undo` undoes what the step did
     to those attributes."""
 
-    def __init__(self, module: nn.Module, callbacks: Sequence[object] = ()) -> None:
+    def __init__(self, module: nn.Module, callbacks: Sequence[object] = (), hooks: bool = False) -> None:
+        """``hooks``: whether a module hook runs during the step (:func:`has_module_hooks`); the callbacks are looked
+        at only then."""
         self.module = module
         self.holders = [_AttributesOf(module, "self", _own_attributes(type(module)))]
-        if callbacks and has_module_hooks(module):
+        if callbacks and hooks:
             self.holders += [
                 _AttributesOf(callback, type(callback).__name__, frozenset())
                 for callback in callbacks

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_crossbow.stateless import slot_of
 from lightning_crossbow.validation import check_int
 
 BufferReducer = Callable[[Tensor], Tensor]
@@ -143,9 +144,10 @@ class ReplicaStack:
             for name, buf in module.named_buffers()
         }
         #: Where each of z's buffers (the module's own) lives: its owning module and attribute (looked up once).
-        self._center_buffer_slots: dict[str, tuple[nn.Module, str]] = {
-            name: (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name in self.buffers
-        }
+        self._center_buffer_slots: dict[str, tuple[nn.Module, str]] = {}
+        for name in self.buffers:
+            owner, _, attribute = slot_of(module, name)
+            self._center_buffer_slots[name] = (owner, attribute)
         #: Each of z's buffers as last written or taken by this stack, and its version then.
         self._center_buffers_seen: dict[str, tuple[Tensor, int]] = {}
         self.note_center_buffers()

@@ -43,7 +43,7 @@ class Reparametrizer:
         self.slots: dict[str, list[Slot]] = {}
         given: dict[int, str] = {}  # tensor id -> the name it was given under
         for name in names:
-            slot = _slot(module, name)
+            slot = slot_of(module, name)
             owner, is_param, attribute = slot
             tensor = (owner._parameters if is_param else owner._buffers)[attribute]
             if id(tensor) in given:
@@ -104,7 +104,7 @@ class Reparametrizer:
         return replaced
 
 
-def _slot(module: nn.Module, name: str) -> Slot:
+def slot_of(module: nn.Module, name: str) -> Slot:
     """The slot ``name`` reaches by attribute access from ``module``, as ``functional_call`` reaches it (so also
     through a wrapper that forwards attributes, such as ``torch.compile``'s)."""
     *path, attribute = name.split(".")
