@@ -100,15 +100,19 @@ class RoutingPlan:
         self.groups_drawn = self.groups_trained = 0
         self.uneven_groups.clear()
 
-    def learner_weights(self, group: int) -> Optional[list[float]]:
+    def learner_weights(self, group: int, full_groups_before: int = 0, batch_size: int = 0) -> Optional[list[float]]:
         """``K p_i`` for this rank's learners of ``group``, with ``p_i = b_i / sum_j b_j`` over all ``K``
-        learners (Adaptive SGD's normalized merging); ``None`` when all batches are full (every ``K p_i = 1``)."""
+        learners (Adaptive SGD's normalized merging) and ``b_i`` learner ``i``'s samples since the last
+        synchronisation: its batch of ``group`` after ``full_groups_before`` groups of full batches of
+        ``batch_size`` (the local steps of an averaging period, at the same split); ``None`` when all batches
+        are full (every ``K p_i = 1``)."""
         sizes = self.uneven_groups.get(group)
         if sizes is None:
             return None
         first, count = self.share(group)
-        total = sum(sizes)
-        return [len(sizes) * size / total for size in sizes[first : first + count]]
+        samples = [full_groups_before * batch_size + size for size in sizes]
+        total = sum(samples)
+        return [len(samples) * b / total for b in samples[first : first + count]]
 
 
 def check_split(split: Sequence[int], ranks: Optional[int] = None) -> None:

@@ -89,6 +89,7 @@ from lightning_crossbow.optim import (
     stacked_params,
     unfuse_,
 )
+from lightning_crossbow.period import AveragingPeriod
 from lightning_crossbow.preflight import (
     adapt_finetuning_callbacks,
     adapt_throughput_monitors,
@@ -165,6 +166,11 @@ class CrossbowStrategy(DDPStrategy):
             of the data (:mod:`~lightning_crossbow.routing`), so an epoch still sees every sample once; z's
             update weighs each learner by its share of the step's samples. Every rank's DataLoader must be
             the whole dataset, with ``shuffle`` True or False. Off by default.
+        averaging_period: ``H``, optimizer steps between two averagings (default 1: every step). Between them
+            every learner takes its own steps and z stays as it is (local SGD); the rule then averages what they
+            did. An averaging also ends every epoch, the last step of fit, and the step before k or the split
+            changes. Across processes the averaging's all-reduce, and z's buffers, wait for it: larger ``H``
+            synchronises less (see :mod:`~lightning_crossbow.period`).
         elementwise_optimizers: optimizer classes, beyond torch's element-wise ones, that the user
             declares element-wise (each element updated from its own gradient and state only).
         The remaining arguments are those of Lightning's ``DDPStrategy`` (launching, backend, timeout).
@@ -183,6 +189,7 @@ class CrossbowStrategy(DDPStrategy):
         engine: Literal["auto", "fused", "sequential", "streams"] = "auto",
         reset_on_lr_drop: bool = True,
         heterogeneous: Union[bool, SpeedBalancer] = False,
+        averaging_period: int = 1,
         elementwise_optimizers: Iterable[type[Optimizer]] = (),
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -199,6 +206,8 @@ class CrossbowStrategy(DDPStrategy):
         else:
             check_int("replicas_per_device", replicas_per_device, note=" or 'auto'")
         self.averaging = make_averaging(algorithm, alpha, central_momentum, outer_lr, warmup_epochs)
+        #: When the rule averages: every ``averaging_period`` optimizer steps, and where it must (see its module).
+        self.period = AveragingPeriod(averaging_period)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}.")
         if not isinstance(heterogeneous, (bool, SpeedBalancer)):
@@ -291,6 +300,7 @@ class CrossbowStrategy(DDPStrategy):
         #: engine="auto" on CUDA: the engine measured fastest at each k, so that a k seen before is not measured again.
         self._fastest_engine: dict[int, str] = {}
         self._engine_trial_step = False
+        self._averaging_now = True  # whether the optimizer step in progress averages (see AveragingPeriod.due)
         self._transfer_per_batch = False  # set at set-up: whether the batch-transfer hooks are the user's own
         self._before_transfer_per_batch = False  # set at set-up: whether on_before_batch_transfer is the user's
         #: SIGTERM agreed in the averaging's all-reduce instead of Lightning's per-batch broadcast (multi-process fit).
@@ -475,6 +485,8 @@ class CrossbowStrategy(DDPStrategy):
             module._on_before_batch_transfer = MethodType(hook, module)  # type: ignore[method-assign]
         self._last_lrs = self._lrs_before_last = None
         self._final_state = None
+        self.period.restart()
+        self._averaging_now = True
 
     def _start_routing(self, trainer: "pl.Trainer") -> None:
         """Heterogeneous mode: every rank starts a fit at k learners (an even split), the data routed by the split."""
@@ -642,8 +654,10 @@ class CrossbowStrategy(DDPStrategy):
                         " not save its place."
                     )
             split = self.routing.split_at(self._grouped.current_group)
-            if split != self._split and self.balancer is not None:
-                self.balancer.restart()  # a window measures one split (every rank changes at this same step)
+            if split != self._split:  # (every rank changes at this same step)
+                self._average_what_is_pending()  # no learner leaves with steps that z has not taken in
+                if self.balancer is not None:
+                    self.balancer.restart()  # a window measures one split
             self._split = split
         if self._gradients_pending and not self.accumulating:
             # An optimizer step begins where Lightning zeroes the gradients, also after batches that no optimizer
@@ -653,6 +667,7 @@ class CrossbowStrategy(DDPStrategy):
             self._gradients_pending = False
         if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
             # The first group made after set_replicas_per_device: resize before the step's corrections.
+            self._average_what_is_pending()
             self._resize_replicas(len(batch))
         self.stack.take_center_buffer_changes_()  # (what a hook set since the last step)
         self._follow_trainable_parameters(step_starts=not self._gradients_pending)
@@ -799,7 +814,7 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.rebind_(module)
         if not self._gradients_pending:  # an optimizer step's first batch
             self.stack.rows_reached.clear()
-            if self.averaging.learners_start_at_center:
+            if self.averaging.learners_start_at_center and self.period.steps_since == 0:  # (after an averaging)
                 self.stack.reset_replicas_(module)
         engine = self.engine if not module.trainer.fit_loop._skip_backward else self._forward_only_engine()
         with self.precision_plugin.train_step_context():
@@ -1031,17 +1046,25 @@ class CrossbowStrategy(DDPStrategy):
         model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """The user's optimizer steps every replica (:meth:`_local_step`), then the averaging rule brings the
-        replicas and z together; replicas left out of the step (diverged, or skipped) restart afterwards."""
+        """The user's optimizer steps every replica (:meth:`_local_step`), then, at the steps where an averaging is due
+        (every one with ``averaging_period=1``), the averaging rule brings the replicas and z together; replicas left
+        out of it (diverged, or skipped every step since the last averaging) restart afterwards."""
         assert self.stack is not None
+        self._averaging_now = self.period.due(self._ends_an_epoch())
         output = self._local_step(optimizer, closure, model, **kwargs)
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
         if self._nothing_to_step():  # (no gradient at all, as where Lightning skips the backward): all skipped
             skipped = torch.ones(self.stack.num_replicas, dtype=torch.bool, device=self.root_device)
+        skipped = self.period.take_step(skipped)
+        if not self._averaging_now:
+            self._end_local_step(optimizer, diverged)
+            return output
         if skipped is not None and self.world_size == 1 and diverged is None and bool(skipped.all()):
-            # Every learner skipped: nothing moves (not z, nor its momentum), but the forwards moved the replicas'
-            # buffers (BatchNorm statistics), as plain Lightning's forward moves its own.
+            # Every learner skipped (every step since the last averaging): nothing moves (not z, nor its momentum),
+            # but the forwards moved the replicas' buffers (BatchNorm statistics), as plain Lightning's forward moves
+            # its own.
+            self.period.averaged()
             self._center_stale = True
             self._form_center_after_step()
             self._measure_throughput()
@@ -1054,6 +1077,7 @@ class CrossbowStrategy(DDPStrategy):
         dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
         if not self._average(optimizer, dropped):
             skipped = None  # every learner of every process skipped: those stay as they were (diverged ones restart)
+        self.period.averaged()
         self._restart_left_out(optimizer, diverged, skipped)
         self._center_stale = True
         self._form_center_after_step()
@@ -1065,6 +1089,36 @@ class CrossbowStrategy(DDPStrategy):
         self._measure_throughput()
         self._log_crossbow_metrics()
         return output
+
+    def _end_local_step(self, optimizer: Optimizer, diverged: Optional[Tensor]) -> None:
+        """A step without averaging (``averaging_period > 1``): z, its buffers and its momentum stay as they are;
+        diverged replicas restart from z, their own optimizer state zeroed."""
+        assert self.stack is not None
+        if diverged is not None:
+            self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
+            reset_state_rows_(optimizer, diverged, self._stacked_leaves())
+        if self.balancer is not None:  # (every step is measured; a window that ends here waits for the averaging)
+            self._wait_for_device()
+            self.balancer.work_done()
+            self.balancer.sync_done()
+        self._measure_throughput()
+        self._log_crossbow_metrics()
+
+    def _average_what_is_pending(self) -> None:
+        """Between two averagings (``averaging_period > 1``), before the learners change (a new k, a new split) and
+        when fit ends (``max_time``, a callback's ``should_stop`` within an epoch), on every process alike: the
+        learners' steps since the last averaging are averaged into z, as the period's last step would have (without a
+        local step of its own). Those steps' batches were full (only an epoch's last, which averages, may be short)."""
+        if self.stack is None or self.period.steps_since == 0:
+            return
+        left_out = self.period.skipped_throughout
+        with torch.no_grad():
+            self.averaging.before_local_step(self.stack.buckets, self.num_learners)
+        if self._average(self.optimizers[0], left_out, weighted=False):
+            self._restart_left_out(self.optimizers[0], None, left_out)
+        self.period.averaged()
+        self._center_stale = True
+        self._form_center_after_step()
 
     def _local_step(
         self,
@@ -1087,7 +1141,8 @@ class CrossbowStrategy(DDPStrategy):
             rows = self._rows_out_of_the_step()
             if rows:
                 held = HeldRows(optimizer, rows)
-            self.averaging.before_local_step(self.stack.buckets, self.num_learners)
+            if self._averaging_now:
+                self.averaging.before_local_step(self.stack.buckets, self.num_learners)
             return result
 
         output = self.precision_plugin.optimizer_step(
@@ -1141,9 +1196,10 @@ class CrossbowStrategy(DDPStrategy):
             # the activations they reference): only now can that memory go back before the next attempt.
             release_cached_memory(self.root_device)
 
-    def _average(self, optimizer: Optimizer, dropped: Optional[Tensor]) -> bool:
+    def _average(self, optimizer: Optimizer, dropped: Optional[Tensor], weighted: bool = True) -> bool:
         """The rule's update after the local step, on the averaging stream when the replicas run on streams;
-        ``dropped`` learners add nothing to it. False when nothing moved: every learner of every process left out."""
+        ``dropped`` learners add nothing to it; ``weighted``: by the shares of the samples (heterogeneous mode), else
+        equally. False when nothing moved: every learner of every process left out."""
         assert self.stack is not None
         context = StepContext(
             num_learners=self.num_learners,
@@ -1153,7 +1209,7 @@ class CrossbowStrategy(DDPStrategy):
             all_reduce_sum=all_reduce_sum_,
             pull_rows=pull_rows,
             dropped=dropped,
-            learner_weights=self._learner_weights(),
+            learner_weights=self._learner_weights() if weighted else None,
             riders=self._sigterm_vote.ballot(self.root_device) if self._sigterm_vote.installed else None,
             single_process=self.world_size == 1,
         )
@@ -1283,7 +1339,9 @@ class CrossbowStrategy(DDPStrategy):
         """``K p_i`` of the local learners when the step's batches differ in size (heterogeneous mode), else None."""
         if self.routing is None or not isinstance(self._grouped, RoutedBatchLoader):
             return None
-        weights = self.routing.learner_weights(self._grouped.current_group)
+        weights = self.routing.learner_weights(
+            self._grouped.current_group, self.period.steps_since - 1, self._batch_size or 0
+        )
         if weights is None:
             return None
         return torch.tensor(weights, dtype=torch.float64, device=self.root_device)  # (each bucket takes its dtype)
@@ -1469,6 +1527,7 @@ class CrossbowStrategy(DDPStrategy):
         ran_to_its_end = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # (also where max_steps ends there)
         if self._grouped is not None and (ran_to_its_end or not 0 <= trainer.max_steps <= trainer.global_step):
             self._grouped.draw_tail()  # the last epoch ran to its end: plain Lightning drew every batch of it
+        self._average_what_is_pending()
         self.sync_center()
         # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.
         self._final_state = self._strategy_state() if self.stack is not None else None
@@ -1521,7 +1580,7 @@ class CrossbowStrategy(DDPStrategy):
 
     def _strategy_state(self) -> dict[str, Any]:
         assert self.stack is not None
-        if self.averaging.learners_start_at_center and not self._gradients_pending:
+        if self.averaging.learners_start_at_center and not self._gradients_pending and self.period.steps_since == 0:
             self.stack.reset_replicas_(self.lightning_module)  # where the next step puts them anyway
         local: dict[str, Any] = {
             "stack": self.stack.state_dict(),
@@ -1564,6 +1623,8 @@ class CrossbowStrategy(DDPStrategy):
             "last_lrs": self._last_lrs,
             "lrs_before_last": self._lrs_before_last,
             "averaging": self.averaging.state_dict(),
+            # optimizer steps since the last averaging (averaging_period > 1): the replicas hold their steps since
+            "steps_since_averaging": self.period.steps_since,
             "ranks": ranks,
         }
 
@@ -1649,6 +1710,7 @@ class CrossbowStrategy(DDPStrategy):
             # (on_fit_start's), which the loaded replicas take; their own buffers otherwise go on.
             self.stack.take_center_buffer_changes_()
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
+            self.period.restart(state.get("steps_since_averaging", 0))
             self._center_stale = True
             return
         if saved_optimizer is None:  # nothing trained: the replicas, copies of the checkpoint's z, start afresh

@@ -3,7 +3,7 @@
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
        [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune] [--algorithm A]
        [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA] [--second-fit] [--uneven-datasets]
-       [--sigterm-at-step S] [--skip-at-step S]
+       [--sigterm-at-step S] [--skip-at-step S] [--averaging-period H]
 """
 
 from __future__ import annotations
@@ -254,6 +254,7 @@ def main() -> None:
     parser.add_argument("--sigterm-at-step", type=int, help="rank 1 alone gets SIGTERM after this step")
     parser.add_argument("--skip-at-step", type=int, help="every replica of every rank skips this step")
     parser.add_argument("--finetune", action="store_true", help="BackboneFinetuning: net.0 frozen until epoch 1")
+    parser.add_argument("--averaging-period", type=int, default=1, help="optimizer steps between two averagings")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
@@ -290,6 +291,7 @@ def main() -> None:
         start_method=args.launcher,
         heterogeneous=balancer if balancer is not None else False,
         engine=args.engine,
+        averaging_period=args.averaging_period,
         **options,
     )
     trainer = L.Trainer(

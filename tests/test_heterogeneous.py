@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -23,29 +24,57 @@ BATCH = 8
 
 
 def reference_weighted_averaging(
-    net: nn.Module, dataset: torch.utils.data.Dataset, num_learners: int, epochs: int, lr: float, eta: float
+    net: nn.Module,
+    dataset: torch.utils.data.Dataset,
+    num_learners: int,
+    epochs: int,
+    lr: float,
+    eta: float,
+    period: int = 1,
+    learners_change_at: Collection[int] = (),
 ) -> list[Tensor]:
     """Scaled averaging with a fixed outer learning rate and plain SGD, written out over one common order.
 
-    Each step the next ``K`` batches go to ``K`` learners that all start at z and take one SGD step;
-    ``z <- z + eta * sum_i p_i (w_i - z)`` with ``p_i = b_i / sum_j b_j`` (the batches' sizes). A last
-    group of fewer than ``K`` batches is skipped. Which rank holds which learner does not matter here.
+    Each step the next ``K`` batches go to ``K`` learners, learner ``i`` the ``i``-th; each takes one SGD step.
+    The learners start at z after every averaging, which follows every ``period``-th step since the last one and an
+    epoch's last step, and comes before the steps (counted over epochs, from 0) in ``learners_change_at``:
+    ``z <- z + eta * sum_i p_i (w_i - z)`` with ``p_i = b_i / sum_j b_j``, ``b_i`` the samples learner ``i``
+    trained on since the last averaging. A last group of fewer than ``K`` batches is skipped. Which rank holds
+    which learner does not matter here.
     """
     z = copy.deepcopy(net)
+    learners: list[nn.Module] = []
+    samples: list[int] = []
+    steps_since = 0
+
+    def average() -> None:
+        nonlocal steps_since
+        steps_since = 0
+        with torch.no_grad():
+            for index, p in enumerate(z.parameters()):
+                moves = [list(learner.parameters())[index] - p for learner in learners]
+                p += eta * sum(b / sum(samples) * move for b, move in zip(samples, moves))
+        learners.clear()
+
+    taken = 0
     for _ in range(epochs):
         batches = list(DataLoader(dataset, batch_size=BATCH, shuffle=False))
-        for first in range(0, len(batches) - num_learners + 1, num_learners):
-            group = batches[first : first + num_learners]
-            total = sum(len(y) for _, y in group)
-            steps = []
-            for x, y in group:
-                learner = copy.deepcopy(z)
-                learner.zero_grad()
-                nn.functional.cross_entropy(learner(x), y).backward()
-                steps.append([-lr * p.grad for p in learner.parameters()])
-            with torch.no_grad():
-                for index, p in enumerate(z.parameters()):
-                    p += eta * sum(len(y) / total * step[index] for (_, y), step in zip(group, steps))
+        firsts = range(0, len(batches) - num_learners + 1, num_learners)
+        for step, first in enumerate(firsts):
+            if taken in learners_change_at and learners:
+                average()
+            taken, steps_since = taken + 1, steps_since + 1
+            if not learners:
+                learners[:], samples[:] = [copy.deepcopy(z) for _ in range(num_learners)], [0] * num_learners
+            for i, (x, y) in enumerate(batches[first : first + num_learners]):
+                learners[i].zero_grad()
+                nn.functional.cross_entropy(learners[i](x), y).backward()
+                with torch.no_grad():
+                    for p in learners[i].parameters():
+                        p -= lr * p.grad
+                samples[i] += len(y)
+            if steps_since == period or step == len(firsts) - 1:
+                average()
     return [p.detach() for p in z.parameters()]
 
 
@@ -239,6 +268,36 @@ def test_a_three_times_slower_rank_gets_a_quarter_of_the_learners_and_the_values
     expected = reference_weighted_averaging(make_net(), make_data(num_samples=188), 8, epochs, lr=0.1, eta=2.0)
     for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
         torch.testing.assert_close(actual, wanted)
+
+
+def test_local_steps_on_devices_of_different_speed_keep_every_sample_once_and_the_exact_weighted_merge(
+    tmp_path: Path,
+) -> None:
+    """averaging_period=3 with 3 steps per epoch: one averaging per epoch, after two groups of full batches and the
+    last group, whose last batch is short; each learner weighs by its samples over the three steps. The balancer's
+    window (2 steps) ends between two averagings and its new split waits for the epoch's averaging; it starts at a
+    group no rank has drawn (epoch 2's first or second, as far as the loader has run ahead), and if that is within
+    a period, the steps before it are averaged first."""
+    epochs = 4
+    ranks = _heterogeneous_run(tmp_path / "run", "--epochs", str(epochs), "--averaging-period", "3")
+    assert [split for _, split in ranks[0]["splits"]] == [(4, 4), (6, 2)]
+    sizes = ranks[0]["group_sizes"]
+    change = sizes.index(6)
+    assert change in (3, 4) and set(sizes[:change]) == {4} and set(sizes[change:]) == {6}
+    dataset_inputs = make_data(num_samples=188).tensors[0]
+    for epoch in range(epochs):
+        seen = torch.cat([ranks[0]["seen"][epoch], ranks[1]["seen"][epoch]])
+        matches = (seen.unsqueeze(1) == dataset_inputs.unsqueeze(0)).all(-1)
+        assert torch.equal(matches.sum(0), torch.ones(188, dtype=torch.long))  # each sample once
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
+    expected = reference_weighted_averaging(
+        make_net(), make_data(num_samples=188), 8, epochs, lr=0.1, eta=2.0, period=3, learners_change_at={change}
+    )
+    for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
+        torch.testing.assert_close(actual, wanted)
+    every_step = reference_weighted_averaging(make_net(), make_data(num_samples=188), 8, epochs, lr=0.1, eta=2.0)
+    assert not all(torch.allclose(a, b) for a, b in zip(ranks[0]["z"], every_step))  # (the period made a difference)
 
 
 def test_a_loader_made_in_configure_optimizers_is_routed_too(tmp_path: Path, four_epochs: list[dict]) -> None:

@@ -232,6 +232,16 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_step_without_a_broad
         assert stopped == {"global_step": stopped_at, "broadcasts": 0}
 
 
+def test_with_an_averaging_period_a_sigterm_stops_every_rank_after_the_next_averaging(tmp_path: Path) -> None:
+    """averaging_period=2, 3 steps an epoch: averagings at steps 2, 3, 5, 6, ... Rank 1 is signalled after step 3;
+    step 4 all-reduces nothing, so its vote rides in step 5's averaging and both ranks stop before batch 6 (every
+    step: step 4's, stopping at 4)."""
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--epochs", "4", "--sigterm-at-step", "3", "--averaging-period", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}_stopped.pt") == {"global_step": 5, "broadcasts": 0}
+
+
 def test_a_step_that_every_replica_of_every_rank_skips_changes_nothing(tmp_path: Path) -> None:
     """Crossbow's rule: z, its momentum and the replicas (which differ from z) stay as they were through step 4,
     which every replica of both ranks skips (the count of learners that stepped rides in the all-reduce)."""
