@@ -19,6 +19,7 @@ Every measurement is its own launch (``--phase``), so "alone" really is one proc
 
     python benchmarks/heterogeneous.py            # k=6 per device; 3 repetitions, 3 seeds
     python benchmarks/heterogeneous.py --quick    # 1 repetition, 1 seed
+    python benchmarks/heterogeneous.py --replicas 48 --averaging-period 4   # local SGD: every 4th step averages
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ SLOW_RANK, SLOWDOWN = 1, 2.0
 BATCH = int(os.environ.get("CROSSBOW_BENCH_BATCH", 16))  # per-replica batch (set by --batch-size)
 QUICK = False  # --quick, passed on to every phase
 REPLICAS = 6  # --replicas, passed on to every phase
+PERIOD = 1  # --averaging-period, passed on to every phase
 
 
 class Throttle(L.Callback):
@@ -91,7 +93,7 @@ def balance_bound(split: list[int], models_ms: list[tuple[float, float]]) -> flo
 
 
 def _strategy(mode: str, k: int) -> CrossbowStrategy:
-    return CrossbowStrategy(k, heterogeneous=mode == "heterogeneous")
+    return CrossbowStrategy(k, heterogeneous=mode == "heterogeneous", averaging_period=PERIOD)
 
 
 def _throttled(rank: int) -> list[L.Callback]:
@@ -136,6 +138,7 @@ def accuracy_phase(mode: str, k: int, seed: int, max_epochs: int) -> dict[str, A
 
 def _start(out: Path, *phase: str, throttle: bool = True) -> subprocess.Popen:
     command = [sys.executable, __file__, "--phase", *phase, "--result", str(out), "--replicas", str(REPLICAS)]
+    command += ["--averaging-period", str(PERIOD)]
     command += ["--quick"] if QUICK else []
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["CROSSBOW_BENCH_BATCH"] = str(BATCH)
@@ -166,15 +169,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--replicas", type=int, default=6, help="k per device (K = 2k learners in all)")
     parser.add_argument("--batch-size", type=int, default=16, help="per-replica batch size")
+    parser.add_argument("--averaging-period", type=int, default=1, help="optimizer steps between two averagings")
     parser.add_argument("--throughput-only", action="store_true", help="skip the time-to-accuracy runs")
     parser.add_argument("--repeats", type=int, help="throughput repetitions (default 3; 1 with --quick)")
     parser.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="default: benchmarks/out/heterogeneous.json (out/quick/ with --quick)")
     args = parser.parse_args()
-    global BATCH, QUICK, REPLICAS
+    global BATCH, QUICK, REPLICAS, PERIOD
     BATCH = args.batch_size if not args.phase else BATCH
-    QUICK, REPLICAS = args.quick, args.replicas
+    QUICK, REPLICAS, PERIOD = args.quick, args.replicas, args.averaging_period
     k = args.replicas
     steps, warmup = (60, 80) if args.quick else (150, 80)  # the warm-up covers the balancer settling (3-4 windows)
     if args.phase:  # inside one launch
@@ -246,6 +250,8 @@ def main() -> None:
         command += f" --batch-size {args.batch_size}"
     if args.replicas != 6:
         command += f" --replicas {args.replicas}"
+    if args.averaging_period != 1:
+        command += f" --averaging-period {args.averaging_period}"
     if args.throughput_only:
         command += " --throughput-only"
     if args.repeats:
@@ -254,6 +260,7 @@ def main() -> None:
         args.out or results_dir(args.quick) / "heterogeneous.json",
         command,
         replicas_per_device=k,
+        averaging_period=PERIOD,
         batch_size=BATCH,
         slowdown=SLOWDOWN,
         timed_steps=steps,

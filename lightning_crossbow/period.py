@@ -17,16 +17,25 @@ validation, checkpoints and callbacks read at an epoch's end holds every step; a
 averaging are averaged, without a local step, before the learners change (a new k, or a new split in heterogeneous
 mode: no learner leaves with steps that z has not taken in) and when fit stops within an epoch.
 A learner is left out of an averaging (as a skipped one is at ``H = 1``) only if it skipped every step since
-the last one.
+the last one. Between two averagings z is as the last one left it (a validation within the epoch reads that z);
+a drop of the learning rate seen there resets the learners (``reset_on_lr_drop``) after the next averaging; a
+parameter frozen there stays at z's value, dropping its steps since.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from lightning.pytorch import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from typing_extensions import override
 
+from lightning_crossbow.replicas import resize_rows
 from lightning_crossbow.validation import check_int
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 class AveragingPeriod:
@@ -55,6 +64,12 @@ class AveragingPeriod:
         self.steps_since += 1
         return self.skipped_throughout
 
+    def resize(self, learners: int) -> None:
+        """The learners are now ``learners``, the first ones kept; the new ones joined, so did not skip throughout."""
+        if self.skipped_throughout is not None:
+            fill = self.skipped_throughout.new_zeros(())
+            self.skipped_throughout = resize_rows(self.skipped_throughout, learners, fill=fill)
+
     def averaged(self) -> None:
         """The averaging ran: a new period starts."""
         self.steps_since, self.skipped_throughout = 0, None
@@ -63,3 +78,29 @@ class AveragingPeriod:
         """A new fit, or a resume with the replicas of a checkpoint saved ``steps_since`` steps after an averaging
         (nothing known of which learners skipped those steps: none did)."""
         self.steps_since, self.skipped_throughout = steps_since, None
+
+
+class AveragePendingSteps(Callback):
+    """Where fit stops within an epoch (a callback's ``should_stop``: ``Timer``'s ``max_time``, ``EarlyStopping`` on a
+    validation within the epoch), averages the steps taken since the last averaging before anything reads z: the
+    validation Lightning runs on stopping, the epoch's end, the end of fit. The strategy puts it first among the
+    trainer's callbacks when ``averaging_period > 1``; every process reaches these hooks alike."""
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and trainer.should_stop:
+            self._average(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._average(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._average(trainer)
+
+    @staticmethod
+    def _average(trainer: pl.Trainer) -> None:
+        average: Any = getattr(trainer.strategy, "average_pending_steps", None)
+        if average is not None:  # (a trainer of another strategy: nothing to do)
+            average()

@@ -10,13 +10,14 @@ from a signal handler pairs with whatever collective the other processes happen 
 :class:`SigtermVote` replaces both:
 
 - the handler only notes the signal (and, as Lightning's does, passes it on to the processes this one launched);
-- every optimizer step's all-reduce carries each process's vote, 1 once it was signalled, as one more summed
-  number riding in the averaging's own all-reduce (``StepContext.riders``): no collective of its own;
+- every averaging's all-reduce carries each process's vote, 1 once it was signalled, as one more summed
+  number riding in it (``StepContext.riders``): no collective of its own;
 - where Lightning broadcast, at the start of the next batch, every process reads the same sum. When any process
   (not only rank 0) was signalled, all of them set ``trainer.received_sigterm`` and raise Lightning's
   ``SIGTERMException`` before the same batch.
 
-A signal is thus acted on at the first batch that starts after the next optimizer step; one that arrives
+A signal is thus acted on at the first batch that starts after the next optimizer step that averages (every step,
+unless ``averaging_period > 1``: then up to that many steps later); one that arrives
 during validation waits for the next training step, and one after the last optimizer step is agreed on in one
 all-reduce when training ends (``SIGTERMException`` then). Lightning releases before 2.5.2, which have no
 per-batch broadcast, keep their own handling.

@@ -54,7 +54,14 @@ from torch.utils.data import (
 from typing_extensions import override
 
 from lightning_crossbow.accelerator import CrossbowAccelerator, device_memory, release_cached_memory
-from lightning_crossbow.algorithms import SMA, AlgorithmName, ScaledAveraging, StepContext, make_averaging
+from lightning_crossbow.algorithms import (
+    SMA,
+    AlgorithmName,
+    ScaledAveraging,
+    StepContext,
+    make_averaging,
+    restart_stranded_,
+)
 from lightning_crossbow.balancing import SpeedBalancer
 from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
 from lightning_crossbow.data import (
@@ -89,7 +96,7 @@ from lightning_crossbow.optim import (
     stacked_params,
     unfuse_,
 )
-from lightning_crossbow.period import AveragingPeriod
+from lightning_crossbow.period import AveragePendingSteps, AveragingPeriod
 from lightning_crossbow.preflight import (
     adapt_finetuning_callbacks,
     adapt_throughput_monitors,
@@ -168,9 +175,10 @@ class CrossbowStrategy(DDPStrategy):
             the whole dataset, with ``shuffle`` True or False. Off by default.
         averaging_period: ``H``, optimizer steps between two averagings (default 1: every step). Between them
             every learner takes its own steps and z stays as it is (local SGD); the rule then averages what they
-            did. An averaging also ends every epoch, the last step of fit, and the step before k or the split
-            changes. Across processes the averaging's all-reduce, and z's buffers, wait for it: larger ``H``
-            synchronises less (see :mod:`~lightning_crossbow.period`).
+            did. An averaging also ends every epoch and the last step of fit, and the steps since the last one are
+            averaged before k or the split changes and where fit stops within an epoch. Across processes the
+            all-reduce, z's buffers and the SIGTERM vote wait for the averaging: a larger ``H`` synchronises less
+            (see :mod:`~lightning_crossbow.period`).
         elementwise_optimizers: optimizer classes, beyond torch's element-wise ones, that the user
             declares element-wise (each element updated from its own gradient and state only).
         The remaining arguments are those of Lightning's ``DDPStrategy`` (launching, backend, timeout).
@@ -301,6 +309,8 @@ class CrossbowStrategy(DDPStrategy):
         self._fastest_engine: dict[int, str] = {}
         self._engine_trial_step = False
         self._averaging_now = True  # whether the optimizer step in progress averages (see AveragingPeriod.due)
+        self._average_at_step_end = False  # the learners changed within an accumulation window: average at its end
+        self._lr_drop_pending = False  # a drop of the lr seen between two averagings: the replicas reset after the next
         self._transfer_per_batch = False  # set at set-up: whether the batch-transfer hooks are the user's own
         self._before_transfer_per_batch = False  # set at set-up: whether on_before_batch_transfer is the user's
         #: SIGTERM agreed in the averaging's all-reduce instead of Lightning's per-batch broadcast (multi-process fit).
@@ -367,6 +377,8 @@ class CrossbowStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if self.auto_replicas and not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
             trainer.callbacks.append(ReplicaAutoTuner())
+        if self.period.period > 1 and not any(isinstance(c, AveragePendingSteps) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, AveragePendingSteps())  # (first: before any callback reads z)
         if self.world_size == 1:
             # One process: keep the user's DataLoader and sampler exactly as they are (Lightning would otherwise
             # inject a shuffling DistributedSampler because this is a DDPStrategy).
@@ -486,7 +498,7 @@ class CrossbowStrategy(DDPStrategy):
         self._last_lrs = self._lrs_before_last = None
         self._final_state = None
         self.period.restart()
-        self._averaging_now = True
+        self._averaging_now, self._average_at_step_end, self._lr_drop_pending = True, False, False
 
     def _start_routing(self, trainer: "pl.Trainer") -> None:
         """Heterogeneous mode: every rank starts a fit at k learners (an even split), the data routed by the split."""
@@ -655,7 +667,7 @@ class CrossbowStrategy(DDPStrategy):
                     )
             split = self.routing.split_at(self._grouped.current_group)
             if split != self._split:  # (every rank changes at this same step)
-                self._average_what_is_pending()  # no learner leaves with steps that z has not taken in
+                self.average_pending_steps()  # no learner leaves with steps that z has not taken in
                 if self.balancer is not None:
                     self.balancer.restart()  # a window measures one split
             self._split = split
@@ -667,7 +679,10 @@ class CrossbowStrategy(DDPStrategy):
             self._gradients_pending = False
         if isinstance(batch, list) and batch and len(batch) != self.stack.num_replicas:
             # The first group made after set_replicas_per_device: resize before the step's corrections.
-            self._average_what_is_pending()
+            if self._gradients_pending:  # (a group fetched ahead, within an accumulation window)
+                self._average_at_step_end = self.period.steps_since > 0  # the learners cannot restart from z now
+            else:
+                self.average_pending_steps()
             self._resize_replicas(len(batch))
         self.stack.take_center_buffer_changes_()  # (what a hook set since the last step)
         self._follow_trainable_parameters(step_starts=not self._gradients_pending)
@@ -775,15 +790,23 @@ class CrossbowStrategy(DDPStrategy):
 
     def _reset_if_lr_dropped(self) -> None:
         """With ``reset_on_lr_drop``: the replicas restart from z when the lr has dropped since the last optimizer
-        step (:func:`lr_dropped`). Called once per optimizer step, before it."""
+        step (:func:`lr_dropped`). Called once per optimizer step, before it. Between two averagings
+        (``averaging_period > 1``), z has not taken in the replicas' steps since the last one: they restart from z
+        right after the next (no collective here: a drop that one process alone sees must not leave others waiting)."""
         optimizer = self.optimizers[0]
         lrs = [float(group["lr"]) for group in optimizer.param_groups]
-        if (
+        dropped = (
             self._last_lrs is not None
             and self.reset_on_lr_drop
-            and not self.averaging.learners_start_at_center  # (they are at z already)
+            and not self.averaging.learners_start_at_center  # (they start from z after every averaging)
             and lr_dropped(lrs, self._last_lrs, self._lrs_before_last)
-        ):
+        )
+        self._last_lrs, self._lrs_before_last = lrs, self._last_lrs
+        if not (dropped or self._lr_drop_pending):
+            return
+        gossip = self.averaging.center_is_learner_mean
+        self._lr_drop_pending = self.period.steps_since > 0 and not gossip
+        if not self._lr_drop_pending:
             assert self.stack is not None
             if self.averaging.center_is_learner_mean:
                 # Gossip keeps no z while training: the learners meet at their mean on this process. No collective,
@@ -795,7 +818,6 @@ class CrossbowStrategy(DDPStrategy):
             else:
                 self.stack.reset_replicas_(self.lightning_module)
                 rank_zero_info(f"crossbow: learning rate dropped to {lrs}; every replica reset to the central model.")
-        self._last_lrs, self._lrs_before_last = lrs, self._last_lrs
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -975,6 +997,8 @@ class CrossbowStrategy(DDPStrategy):
         self._grouped.give_back(self._group[k : len(self._group) if self._group_cut is None else self._group_cut])
         self._group_cut = k
         self.set_replicas_per_device(k)
+        self.average_pending_steps()  # (the steps before this one: the learner that goes leaves none behind)
+        self._averaging_now = self.period.due(self._ends_an_epoch())
         self._resize_replicas(k)
         self.replica_ceiling = k
         rank_zero_warn(
@@ -988,6 +1012,7 @@ class CrossbowStrategy(DDPStrategy):
             self.sync_center()  # new learners start from z, the learners' mean (every rank resizes together)
         old_leaves = dict(self.stack.params)
         self.stack.resize_(replicas_per_device)
+        self.period.resize(replicas_per_device)
         resize_stacked_state_(
             self.optimizers[0],
             {id(old_leaves[name]): new for name, new in self.stack.params.items()},
@@ -1050,7 +1075,8 @@ class CrossbowStrategy(DDPStrategy):
         (every one with ``averaging_period=1``), the averaging rule brings the replicas and z together; replicas left
         out of it (diverged, or skipped every step since the last averaging) restart afterwards."""
         assert self.stack is not None
-        self._averaging_now = self.period.due(self._ends_an_epoch())
+        self._averaging_now = self.period.due(self._ends_an_epoch()) or self._average_at_step_end
+        self._average_at_step_end = False
         output = self._local_step(optimizer, closure, model, **kwargs)
         diverged = self._diverged_replicas()
         skipped, self._step_skipped = self._step_skipped, None
@@ -1091,12 +1117,23 @@ class CrossbowStrategy(DDPStrategy):
         return output
 
     def _end_local_step(self, optimizer: Optimizer, diverged: Optional[Tensor]) -> None:
-        """A step without averaging (``averaging_period > 1``): z, its buffers and its momentum stay as they are;
-        diverged replicas restart from z, their own optimizer state zeroed."""
+        """A step without averaging (``averaging_period > 1``): z, its buffers and its momentum stay as they are
+        (gossip's z, the learners' mean, is formed when read); diverged replicas restart from z, or under gossip from
+        the mean of this process's other learners (as when their peers are out of reach), their own optimizer state
+        zeroed."""
         assert self.stack is not None
         if diverged is not None:
-            self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
+            if self.averaging.center_is_learner_mean:
+                with torch.no_grad():
+                    for bucket in self.stack.buckets:
+                        bucket.replicas[diverged] = float("nan")
+                        restart_stranded_(bucket.replicas, bucket.center)
+                self.stack.reset_buffers_(self.lightning_module, diverged)
+            else:
+                self.stack.reset_replicas_(self.lightning_module, diverged, buffers=True)
             reset_state_rows_(optimizer, diverged, self._stacked_leaves())
+        if self.averaging.center_is_learner_mean:
+            self._center_stale = True
         if self.balancer is not None:  # (every step is measured; a window that ends here waits for the averaging)
             self._wait_for_device()
             self.balancer.work_done()
@@ -1104,7 +1141,7 @@ class CrossbowStrategy(DDPStrategy):
         self._measure_throughput()
         self._log_crossbow_metrics()
 
-    def _average_what_is_pending(self) -> None:
+    def average_pending_steps(self) -> None:
         """Between two averagings (``averaging_period > 1``), before the learners change (a new k, a new split) and
         when fit ends (``max_time``, a callback's ``should_stop`` within an epoch), on every process alike: the
         learners' steps since the last averaging are averaged into z, as the period's last step would have (without a
@@ -1406,10 +1443,15 @@ class CrossbowStrategy(DDPStrategy):
         )
 
     def _ends_an_epoch(self) -> bool:
-        """Whether this step is the last of its epoch, or of training (``max_steps``)."""
+        """Whether this step is the last of its epoch (also of a loader without a length: the batch Lightning fetched
+        ahead found none after it), or of training (``max_steps``)."""
         trainer = self.lightning_module.trainer
-        done_in_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return done_in_epoch >= trainer.num_training_batches or trainer.global_step + 1 == trainer.max_steps
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        return (
+            progress.current.ready >= trainer.num_training_batches
+            or progress.is_last_batch
+            or trainer.global_step + 1 == trainer.max_steps
+        )
 
     def _epochs_done(self) -> float:
         """Training epochs completed once this step ends, fractional: the clock of the warm-up."""
@@ -1527,7 +1569,7 @@ class CrossbowStrategy(DDPStrategy):
         ran_to_its_end = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # (also where max_steps ends there)
         if self._grouped is not None and (ran_to_its_end or not 0 <= trainer.max_steps <= trainer.global_step):
             self._grouped.draw_tail()  # the last epoch ran to its end: plain Lightning drew every batch of it
-        self._average_what_is_pending()
+        self.average_pending_steps()
         self.sync_center()
         # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.
         self._final_state = self._strategy_state() if self.stack is not None else None
@@ -1750,9 +1792,16 @@ class CrossbowStrategy(DDPStrategy):
             else "their optimizer state starts fresh (it did not match the parameters; learning rates and other"
             " hyper-parameters were restored)"
         )
+        pending = state.get("steps_since_averaging", 0) if state is not None else 0
         rank_zero_warn(
             f"crossbow: resuming from {where} with replicas_per_device={self.replicas_per_device} x"
             f" world_size={self.world_size}: the replicas were re-seeded from the central model and {optimizer_state}."
+            + (
+                f" It was saved {pending} optimizer step(s) after its last averaging (averaging_period): the replicas'"
+                " steps since, which the central model had not taken in, are not carried on."
+                if pending
+                else ""
+            )
         )
 
     def _carries_on_the_k_of(self, state: Optional[Mapping[str, Any]]) -> bool:

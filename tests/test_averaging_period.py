@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.period import AveragingPeriod
@@ -163,13 +164,42 @@ class StopAtStep(L.Callback):
             trainer.should_stop = True
 
 
+class CenterAtTrainEnd(L.Callback):
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.center = [p.detach().clone() for p in pl_module.parameters()]
+
+
 def test_fit_stopped_between_two_averagings_averages_the_steps_taken_since() -> None:
-    """A callback stops fit mid-epoch, one step after an averaging (period 3): z holds that step too."""
+    """A callback stops fit mid-epoch, one step after an averaging (period 3): z holds that step too, already when
+    the callbacks' ``on_train_end`` (which Lightning runs before the strategy's) reads it."""
     strategy = CrossbowStrategy(replicas_per_device=2, averaging_period=3, outer_lr=1.0)
-    model, snapshot = Classifier(), ReplicaSnapshot()
-    trainer(strategy=strategy, max_epochs=2, callbacks=[StopAtStep(4), snapshot]).fit(model, loader(make_data()))
+    model, snapshot, at_end = Classifier(), ReplicaSnapshot(), CenterAtTrainEnd()
+    trainer(strategy=strategy, max_epochs=2, callbacks=[StopAtStep(4), snapshot, at_end]).fit(
+        model, loader(make_data())
+    )
     z, _, averaged = reference_local_sgd(2, 2, 3, "scaled", stop_after=4)
     assert averaged == [False, False, True, True]
+    for (name, param), read, expected in zip(model.named_parameters(), at_end.center, z):
+        torch.testing.assert_close(param.detach(), expected, msg=f"z differs in {name}")
+        assert torch.equal(read, param.detach())
+
+
+class SamplesInOrder(IterableDataset):
+    """``make_data()``'s samples in order, as an iterable: its loader has no length."""
+
+    def __iter__(self) -> Any:
+        data = make_data()
+        return iter(data[i] for i in range(len(data)))
+
+
+def test_an_epoch_of_a_loader_without_a_length_ends_with_an_averaging() -> None:
+    """10 batches, k=2: 5 steps an epoch; period 3 averages at steps 3 and 5 of each epoch, the 5th found to be the
+    epoch's last only by the batch Lightning fetched ahead."""
+    strategy = CrossbowStrategy(replicas_per_device=2, averaging_period=3, outer_lr=1.5)
+    model = Classifier()
+    trainer(strategy=strategy, max_epochs=2).fit(model, DataLoader(SamplesInOrder(), batch_size=8))
+    z, _, averaged = reference_local_sgd(2, 2, 3, "scaled", outer_lr=1.5)
+    assert averaged == [False, False, True, False, True] * 2
     for (name, param), expected in zip(model.named_parameters(), z):
         torch.testing.assert_close(param.detach(), expected, msg=f"z differs in {name}")
 
@@ -250,3 +280,93 @@ def test_the_period_counts_steps_and_learners_that_skipped_throughout() -> None:
     period.averaged()
     assert period.steps_since == 0 and period.skipped_throughout is None
     assert copy.copy(period).period == 3
+
+
+class RunsOutOfMemoryAtStepWithThree(Classifier):
+    """Raises CUDA's out-of-memory error (simulated on CPU) in the step after ``step`` while 3 replicas run; keeps the
+    learners as they were then (in a list the step's attribute checks leave alone)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.before = step, []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        strategy = self.trainer.strategy
+        if self.trainer.global_step == self.step and strategy.stack.num_replicas == 3:
+            self.before.extend(bucket.replicas.detach().clone() for bucket in strategy.stack.buckets)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().training_step(batch, batch_idx)
+
+
+class CenterAtStep(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_backward(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and not hasattr(self, "center"):
+            self.steps_since = trainer.strategy.period.steps_since
+            self.center = [bucket.center.detach().clone() for bucket in trainer.strategy.stack.buckets]
+
+
+def test_an_out_of_memory_back_off_between_two_averagings_first_averages_the_steps_taken_since() -> None:
+    """k=3, period 6, out of memory in the third step: the learner that goes had two steps not in z. They are
+    averaged first (outer lr 1: z is the three learners' mean), and the step runs again at k=2 from there."""
+    model, probe = RunsOutOfMemoryAtStepWithThree(step=2), CenterAtStep(step=2)
+    strategy = CrossbowStrategy(replicas_per_device=3, averaging_period=6, outer_lr=1.0)
+    with pytest.warns(UserWarning, match="out of memory with replicas_per_device=3"):
+        trainer(strategy=strategy, max_epochs=1, callbacks=[probe]).fit(model, loader(make_data(num_samples=160)))
+    assert strategy.replicas_per_device == 2 and probe.steps_since == 0
+    for learners, center in zip(model.before, probe.center):
+        torch.testing.assert_close(center, learners.mean(0))
+
+
+class GrowWhileAccumulating(L.Callback):
+    """Asks for k=3 after the first optimizer step; records the count of steps since the last averaging after the
+    second."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        strategy = trainer.strategy
+        if trainer.global_step == 1 and strategy.replicas_per_device == 2 and not strategy.accumulating:
+            strategy.set_replicas_per_device(3)
+        if trainer.global_step == 2 and not hasattr(self, "steps_since"):
+            self.steps_since = strategy.period.steps_since
+
+
+def test_a_k_that_changes_within_an_accumulation_window_averages_at_the_windows_end() -> None:
+    """A loader without a length: Lightning fetched the next batch, of the old k, ahead, so the first group of k=3
+    comes within an accumulation window. The learners cannot restart from z there; the step's end averages, and all
+    three learners start the next step from z."""
+    strategy = CrossbowStrategy(replicas_per_device=2, averaging_period=4, outer_lr=2.0)
+    grow = GrowWhileAccumulating()
+    data = DataLoader(SamplesInOrder(), batch_size=8)
+    trainer(strategy=strategy, max_steps=3, accumulate_grad_batches=2, callbacks=[grow]).fit(Classifier(), data)
+    assert strategy.replicas_per_device == 3
+    assert grow.steps_since == 0
+
+
+class HalvesTheLrEveryTwoSteps(Classifier):
+    def configure_optimizers(self) -> Any:
+        optimizer = make_optimizer("sgd", self.parameters(), 0.1)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class LearnersAtZ(L.Callback):
+    """Per optimizer step, whether every learner starts it at z (read in its backward, before the step)."""
+
+    def __init__(self) -> None:
+        self.at_z: list[bool] = []
+
+    def on_before_backward(self, trainer: L.Trainer, *args: Any) -> None:
+        buckets = trainer.strategy.stack.buckets
+        self.at_z.append(all(bool((bucket.replicas == bucket.center).all()) for bucket in buckets))
+
+
+def test_a_drop_of_the_lr_between_two_averagings_resets_the_learners_after_the_next() -> None:
+    """SMA (learners kept apart), period 3, the lr halved after steps 2 and 4: the first drop is seen as step 3
+    starts, with two steps not yet in z, so the learners restart from z only after step 3's averaging, at step 4; the
+    second drop is seen as step 5 starts, one step after an averaging, and waits for the epoch's end."""
+    strategy = CrossbowStrategy(replicas_per_device=2, algorithm="sma", averaging_period=3)
+    at_z = LearnersAtZ()
+    trainer(strategy=strategy, max_epochs=1, callbacks=[at_z]).fit(HalvesTheLrEveryTwoSteps(), loader(make_data()))
+    assert at_z.at_z == [True, False, False, True, False]
