@@ -202,6 +202,8 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         "crossbow k=8, gain per tensor": {"strategy": _per_tensor_gain(8), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer momentum 0.3": {"strategy": _crossbow(8, central_momentum=0.3), "batch": 1, "lr": 1.0},
         "crossbow k=8, outer momentum 0.6": {"strategy": _crossbow(8, central_momentum=0.6), "batch": 1, "lr": 1.0},
+        "crossbow k=8, averaging period 2": {"strategy": _crossbow(8, averaging_period=2), "batch": 1, "lr": 1.0},
+        "crossbow k=8, averaging period 4": {"strategy": _crossbow(8, averaging_period=4), "batch": 1, "lr": 1.0},
         "crossbow k=8, sma (Crossbow's rule)": {"strategy": _crossbow(8, algorithm="sma"), "batch": 1, "lr": 1.0},
         "crossbow k=8, easgd": {"strategy": _crossbow(8, algorithm="easgd"), "batch": 1, "lr": 1.0},
         "crossbow k=8, gossip": {"strategy": _crossbow(8, algorithm="gossip"), "batch": 1, "lr": 1.0},
