@@ -17,15 +17,17 @@ validation, checkpoints and callbacks read at an epoch's end holds every step; a
 averaging are averaged, without a local step, before the learners change (a new k, or a new split in heterogeneous
 mode: no learner leaves with steps that z has not taken in) and when fit stops within an epoch.
 A learner is left out of an averaging (as a skipped one is at ``H = 1``) only if it skipped every step since
-the last one. Between two averagings z is as the last one left it (a validation within the epoch reads that z);
-a drop of the learning rate seen there resets the learners (``reset_on_lr_drop``) after the next averaging; a
-parameter frozen there stays at z's value, dropping its steps since.
+the last one. Between two averagings z is as the last one left it (a validation within the epoch reads that z;
+under gossip, whose z is the learners' mean formed when read, their current mean); a drop of the learning rate
+seen there resets the learners (``reset_on_lr_drop``) after the next averaging; a parameter frozen there stays
+at z's value, dropping its steps since.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -88,7 +90,12 @@ class AveragePendingSteps(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and trainer.should_stop:
+        # (where Lightning validates because fit stops here: it may not stop yet, min_epochs or min_steps unmet; or
+        # because a change of k left no room for another step in the epoch)
+        loop = trainer.fit_loop
+        if trainer.state.fn == TrainerFn.FITTING and (
+            (trainer.should_stop and loop._can_stop_early) or loop.epoch_loop.batch_progress.is_last_batch
+        ):
             self._average(trainer)
 
     @override
@@ -103,4 +110,5 @@ class AveragePendingSteps(Callback):
     def _average(trainer: pl.Trainer) -> None:
         average: Any = getattr(trainer.strategy, "average_pending_steps", None)
         if average is not None:  # (a trainer of another strategy: nothing to do)
-            average()
+            with torch.inference_mode(False):  # (validation runs in inference mode; training's tensors must not)
+                average()

@@ -1240,7 +1240,7 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
         context = StepContext(
             num_learners=self.num_learners,
-            step=self.lightning_module.trainer.global_step,
+            step=self.lightning_module.trainer.global_step // self.period.period,  # (gossip's shift: one per period)
             epochs_done=self._epochs_done(),
             optimizer=optimizer,
             all_reduce_sum=all_reduce_sum_,
@@ -1503,11 +1503,12 @@ class CrossbowStrategy(DDPStrategy):
         self._center_stale = False
 
     def _form_center_after_step(self) -> None:
-        """After every optimizer step, what callbacks, hooks and the module itself read is z, as the averaging left
-        it: z's buffers (the replicas' mean) and, for gossip, z's parameters (the learners' mean). On one process
-        always (no collective needed). Across processes: z's buffers at every step, in one all-reduce per dtype,
-        where the model has floating-point buffers, as DDP broadcasts its buffers at every step; gossip, which has
-        no all-reduce of its own, forms z and its buffers at every epoch's end and the last step (and when read)."""
+        """After every averaging (every optimizer step with ``averaging_period=1``), what callbacks, hooks and the
+        module itself read is z, as the averaging left it: z's buffers (the replicas' mean) and, for gossip, z's
+        parameters (the learners' mean). On one process always (no collective needed). Across processes: z's buffers
+        at every averaging, in one all-reduce per dtype, where the model has floating-point buffers, as DDP
+        broadcasts its buffers at every step; gossip, which has no all-reduce of its own, forms z and its buffers at
+        every epoch's end and the last step (and when read)."""
         assert self.stack is not None
         if self.world_size == 1 or (self.averaging.center_is_learner_mean and self._ends_an_epoch()):
             self.sync_center()
@@ -1667,6 +1668,8 @@ class CrossbowStrategy(DDPStrategy):
             "averaging": self.averaging.state_dict(),
             # optimizer steps since the last averaging (averaging_period > 1): the replicas hold their steps since
             "steps_since_averaging": self.period.steps_since,
+            # a drop of the lr seen since, whose reset of the replicas waits for the next averaging
+            "lr_drop_pending": self._lr_drop_pending,
             "ranks": ranks,
         }
 
@@ -1753,6 +1756,7 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.take_center_buffer_changes_()
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self.period.restart(state.get("steps_since_averaging", 0))
+            self._lr_drop_pending = state.get("lr_drop_pending", False)
             self._center_stale = True
             return
         if saved_optimizer is None:  # nothing trained: the replicas, copies of the checkpoint's z, start afresh

@@ -220,6 +220,7 @@ class ReplicaAutoTuner(Callback):
         the epoch's length keep k below ``min_replicas``, a warning says so."""
         strategy = trainer.strategy
         self._last_step_end = None  # the interval up to the first step holds the fit's set-up
+        self._after_averaging = True  # whether the last step ended with an averaging (a fit starts after none)
         self._windows_before_fit, self._step_at_fit_start = len(self.history), trainer.global_step
         k = strategy.tuned_replicas_per_device
         self._room = strategy.replica_room()  # a collective: every rank starts training here
@@ -257,13 +258,22 @@ class ReplicaAutoTuner(Callback):
         strategy = trainer.strategy
         now, last = self.clock(), self._last_step_end
         self._last_step_end = now
+        # With averaging_period > 1 a window holds whole periods: it starts right after an averaging and ends at one
+        # (steps that average take longer than those that do not).
+        averaged, after_averaging = _just_averaged(strategy), self._after_averaging
+        self._after_averaging = averaged
         if self._changing_from is not None:
             if strategy.tuned_replicas_per_device == self._changing_from:
                 return  # a group fetched at the old k before the change (a loader without a length): not the new k's
             self._changing_from = None
         self._steps_since_change += 1
         self._window_replicas = strategy.tuned_replicas_per_device
-        if self._steps_since_change <= self.warmup or last is None or strategy.engine_measuring:
+        if (
+            self._steps_since_change <= self.warmup
+            or last is None
+            or strategy.engine_measuring
+            or (self._window_steps == 0 and not after_averaging)
+        ):
             if self._window_losses and self._window_losses[-1]:
                 self._window_losses.append([])
             return  # a warm-up step, one whose interval holds validation or an epoch's end, or an engine trial
@@ -276,7 +286,7 @@ class ReplicaAutoTuner(Callback):
             if not self._window_losses:
                 self._window_losses.append([])
             self._window_losses[-1].append((self._window_seconds, loss))
-        if self._window_steps < self.window or strategy.accumulating:  # k changes right after an optimizer step
+        if self._window_steps < self.window or strategy.accumulating or not averaged:  # k changes right after a step
             return
         k = strategy.tuned_replicas_per_device  # in heterogeneous mode, the mean over ranks
         self._room = strategy.replica_room()  # a collective: every rank ends this window at this step
@@ -582,6 +592,12 @@ class ReplicaAutoTuner(Callback):
             self._window_samples, self._window_seconds = window["samples"], window["seconds"]
             self._window_losses = [[tuple(point) for point in run] for run in window["losses"]]
             self._window_replicas = window["replicas"]
+
+
+def _just_averaged(strategy: Any) -> bool:
+    """Whether the last optimizer step ended with an averaging: always with ``averaging_period=1``."""
+    period = getattr(strategy, "period", None)
+    return period is None or period.steps_since == 0
 
 
 def _work_of_step(strategy: Any) -> float:

@@ -370,3 +370,92 @@ def test_a_drop_of_the_lr_between_two_averagings_resets_the_learners_after_the_n
     at_z = LearnersAtZ()
     trainer(strategy=strategy, max_epochs=1, callbacks=[at_z]).fit(HalvesTheLrEveryTwoSteps(), loader(make_data()))
     assert at_z.at_z == [True, False, False, True, False]
+
+
+def test_a_reset_waiting_for_the_next_averaging_survives_a_resume(tmp_path: Path) -> None:
+    """As above; a checkpoint saved after step 3 (its averaging done, the reset due as step 4 starts) resumes with
+    the reset still due: the same learners and z as the run that went on."""
+
+    def run(ckpt_path: Optional[Path] = None, save_at: Optional[int] = None) -> tuple[nn.Module, LearnersAtZ]:
+        model, at_z = HalvesTheLrEveryTwoSteps(), LearnersAtZ()
+        callbacks: list[L.Callback] = [at_z] + ([SaveAtStep(save_at, tmp_path / "mid.ckpt")] if save_at else [])
+        strategy = CrossbowStrategy(replicas_per_device=2, algorithm="sma", averaging_period=3)
+        data = ResumableLoader(make_data(), batch_size=8)
+        trainer(strategy=strategy, max_epochs=1, callbacks=callbacks).fit(model, data, ckpt_path=ckpt_path)
+        return model, at_z
+
+    straight, straight_at_z = run(save_at=3)
+    resumed, resumed_at_z = run(ckpt_path=tmp_path / "mid.ckpt")
+    assert straight_at_z.at_z[3:] == resumed_at_z.at_z == [True, False]
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class GrowToFiveAfterStep3(L.Callback):
+    """k=2 -> 5 after step 3 of 5: too few batches are left for a step of 5, so step 3 becomes the epoch's last;
+    records the steps not yet averaged when the epoch's validation starts."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 3:
+            trainer.strategy.set_replicas_per_device(5)
+
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.pending_at_validation = trainer.strategy.period.steps_since
+
+
+def test_a_change_of_k_that_ends_the_epoch_is_averaged_before_the_epochs_validation() -> None:
+    strategy = CrossbowStrategy(replicas_per_device=2, averaging_period=4)
+    grow = GrowToFiveAfterStep3()
+    t = trainer(strategy=strategy, max_epochs=1, callbacks=[grow])
+    t.fit(Classifier(), loader(make_data()), loader(make_data(num_samples=16)))
+    assert t.global_step == 3 and grow.pending_at_validation == 0
+
+
+class StopAtStepOne(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            trainer.should_stop = True
+
+
+class PendingAtValidation(L.Callback):
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.pending.append(trainer.strategy.period.steps_since)
+
+
+def test_a_stop_that_waits_for_min_epochs_does_not_make_validations_average() -> None:
+    """should_stop set at step 1 while min_epochs=2 holds fit on: Lightning validates every 2 steps as planned, and
+    those validations read z between averagings (period 4, 5 steps an epoch), as without the stop."""
+    pending = PendingAtValidation()
+    strategy = CrossbowStrategy(replicas_per_device=2, averaging_period=4)
+    callbacks = [StopAtStepOne(), pending]
+    t = trainer(strategy=strategy, min_epochs=2, max_epochs=2, val_check_interval=2, callbacks=callbacks)
+    t.fit(Classifier(), loader(make_data()), loader(make_data(num_samples=16)))
+    assert t.global_step == 10
+    assert pending.pending == [2, 0, 2, 0]  # after steps 2, 4 (its averaging), 7 and 9 (averaging at 9)
+
+
+class AveragingSteps(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.strategy.period.steps_since == 0:
+            self.steps.append(trainer.global_step)
+
+
+def test_the_tuners_windows_hold_whole_averaging_periods() -> None:
+    """Steps that average take longer: with averaging_period=4 every window starts right after an averaging and ends
+    at one, so windows compare like with like."""
+    from lightning_crossbow import ReplicaAutoTuner
+
+    tuner, averaging = ReplicaAutoTuner(window=5, warmup=1, plot=False), AveragingSteps()
+    strategy = CrossbowStrategy(replicas_per_device=1, averaging_period=4)
+    trainer(strategy=strategy, max_epochs=2, callbacks=[tuner, averaging]).fit(
+        Classifier(), loader(make_data(num_samples=480))
+    )
+    ends = [record.step for record in tuner.history]
+    assert len(ends) >= 3 and set(ends) <= set(averaging.steps)
+    assert all(later - earlier >= 5 for earlier, later in zip(ends, ends[1:]))
