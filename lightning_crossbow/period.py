@@ -85,8 +85,9 @@ class AveragingPeriod:
 class AveragePendingSteps(Callback):
     """Where fit stops within an epoch (a callback's ``should_stop``: ``Timer``'s ``max_time``, ``EarlyStopping`` on a
     validation within the epoch), or a change of k ends the epoch after its step, averages the steps taken since the
-    last averaging before anything reads z: the validation Lightning runs there, the epoch's end, the end of fit. The strategy puts it first among the
-    trainer's callbacks when ``averaging_period > 1``; every process reaches these hooks alike."""
+    last averaging before anything reads z: the validation Lightning runs there, the epoch's end, the end of fit.
+    The strategy puts it first among the trainer's callbacks when ``averaging_period > 1``; every process reaches
+    these hooks alike."""
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
