@@ -204,6 +204,16 @@ def configurations(quick: bool) -> dict[str, dict[str, Any]]:
         "crossbow k=8, outer momentum 0.6": {"strategy": _crossbow(8, central_momentum=0.6), "batch": 1, "lr": 1.0},
         "crossbow k=8, averaging period 2": {"strategy": _crossbow(8, averaging_period=2), "batch": 1, "lr": 1.0},
         "crossbow k=8, averaging period 4": {"strategy": _crossbow(8, averaging_period=4), "batch": 1, "lr": 1.0},
+        "crossbow k=8, SlowMo (period 3, outer lr 1, momentum 0.5)": {
+            "strategy": _crossbow(8, averaging_period=3, outer_lr=1.0, central_momentum=0.5),
+            "batch": 1,
+            "lr": 1.0,
+        },
+        "crossbow k=8, SlowMo (period 3, outer lr 1, momentum 0.7)": {
+            "strategy": _crossbow(8, averaging_period=3, outer_lr=1.0, central_momentum=0.7),
+            "batch": 1,
+            "lr": 1.0,
+        },
         "crossbow k=8, sma (Crossbow's rule)": {"strategy": _crossbow(8, algorithm="sma"), "batch": 1, "lr": 1.0},
         "crossbow k=8, easgd": {"strategy": _crossbow(8, algorithm="easgd"), "batch": 1, "lr": 1.0},
         "crossbow k=8, gossip": {"strategy": _crossbow(8, algorithm="gossip"), "batch": 1, "lr": 1.0},
