@@ -25,6 +25,7 @@ at z's value, dropping its steps since.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -51,10 +52,10 @@ class AveragingPeriod:
         #: Learners that skipped every step since the last averaging, including the step in progress (None: none).
         self.skipped_throughout: Optional[Tensor] = None
 
-    def due(self, ends_an_epoch: bool) -> bool:
+    def due(self, ends_an_epoch: Callable[[], bool]) -> bool:
         """Whether the step in progress ends with an averaging: the ``H``-th step since the last one, or the last step
-        of an epoch or of fit."""
-        return self.steps_since + 1 >= self.period or ends_an_epoch
+        of an epoch or of fit (``ends_an_epoch``, asked only when it decides: not at all with ``H = 1``)."""
+        return self.steps_since + 1 >= self.period or ends_an_epoch()
 
     def take_step(self, skipped: Optional[Tensor]) -> Optional[Tensor]:
         """Notes one optimizer step whose skipped learners are ``skipped`` (None: none); returns the learners that

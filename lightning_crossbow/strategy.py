@@ -998,7 +998,7 @@ class CrossbowStrategy(DDPStrategy):
         self._group_cut = k
         self.set_replicas_per_device(k)
         self.average_pending_steps()  # (the steps before this one: the learner that goes leaves none behind)
-        self._averaging_now = self.period.due(self._ends_an_epoch())
+        self._averaging_now = self.period.due(self._ends_an_epoch)
         self._resize_replicas(k)
         self.replica_ceiling = k
         rank_zero_warn(
@@ -1075,7 +1075,7 @@ class CrossbowStrategy(DDPStrategy):
         (every one with ``averaging_period=1``), the averaging rule brings the replicas and z together; replicas left
         out of it (diverged, or skipped every step since the last averaging) restart afterwards."""
         assert self.stack is not None
-        self._averaging_now = self.period.due(self._ends_an_epoch()) or self._average_at_step_end
+        self._averaging_now = self.period.due(self._ends_an_epoch) or self._average_at_step_end
         self._average_at_step_end = False
         output = self._local_step(optimizer, closure, model, **kwargs)
         diverged = self._diverged_replicas()
@@ -1100,13 +1100,7 @@ class CrossbowStrategy(DDPStrategy):
         if self.balancer is not None:
             self._wait_for_device()
             window_done = self.balancer.work_done()
-        dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
-        if not self._average(optimizer, dropped):
-            skipped = None  # every learner of every process skipped: those stay as they were (diverged ones restart)
-        self.period.averaged()
-        self._restart_left_out(optimizer, diverged, skipped)
-        self._center_stale = True
-        self._form_center_after_step()
+        self._average_then_restart(optimizer, diverged, skipped)
         if self.balancer is not None:
             if window_done:
                 self._rebalance()
@@ -1126,7 +1120,7 @@ class CrossbowStrategy(DDPStrategy):
             if self.averaging.center_is_learner_mean:
                 with torch.no_grad():
                     for bucket in self.stack.buckets:
-                        bucket.replicas[diverged] = float("nan")
+                        bucket.replicas[diverged] = float("nan")  # (marked, they restart as any stranded learner)
                         restart_stranded_(bucket.replicas, bucket.center)
                 self.stack.reset_buffers_(self.lightning_module, diverged)
             else:
@@ -1148,12 +1142,20 @@ class CrossbowStrategy(DDPStrategy):
         local step of its own). Those steps' batches were full (only an epoch's last, which averages, may be short)."""
         if self.stack is None or self.period.steps_since == 0:
             return
-        left_out = self.period.skipped_throughout
         with torch.no_grad():
             self.averaging.before_local_step(self.stack.buckets, self.num_learners)
-        if self._average(self.optimizers[0], left_out, weighted=False):
-            self._restart_left_out(self.optimizers[0], None, left_out)
+        self._average_then_restart(self.optimizers[0], None, self.period.skipped_throughout, weighted=False)
+
+    def _average_then_restart(
+        self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor], weighted: bool = True
+    ) -> None:
+        """The averaging (:meth:`_average`, ``diverged`` and ``skipped`` learners left out of it), then a new period;
+        the learners left out restart (:meth:`_restart_left_out`) and z's buffers are formed."""
+        dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
+        if not self._average(optimizer, dropped, weighted):
+            skipped = None  # every learner of every process skipped: those stay as they were (diverged ones restart)
         self.period.averaged()
+        self._restart_left_out(optimizer, diverged, skipped)
         self._center_stale = True
         self._form_center_after_step()
 

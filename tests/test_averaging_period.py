@@ -270,12 +270,12 @@ def test_an_averaging_period_that_is_not_a_positive_int_is_refused(period: Any) 
 
 def test_the_period_counts_steps_and_learners_that_skipped_throughout() -> None:
     period = AveragingPeriod(3)
-    assert not period.due(ends_an_epoch=False)
+    assert not period.due(ends_an_epoch=lambda: False)
     assert period.take_step(torch.tensor([True, False, True])).tolist() == [True, False, True]
-    assert period.due(ends_an_epoch=True)
-    assert not period.due(ends_an_epoch=False)
+    assert period.due(ends_an_epoch=lambda: True)
+    assert not period.due(ends_an_epoch=lambda: False)
     assert period.take_step(torch.tensor([True, True, False])).tolist() == [True, False, False]
-    assert period.due(ends_an_epoch=False)  # the third step
+    assert period.due(ends_an_epoch=lambda: False)  # the third step
     assert period.take_step(None) is None  # one took this step: none skipped throughout
     period.averaged()
     assert period.steps_since == 0 and period.skipped_throughout is None
