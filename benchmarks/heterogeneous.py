@@ -20,6 +20,7 @@ Every measurement is its own launch (``--phase``), so "alone" really is one proc
     python benchmarks/heterogeneous.py            # k=6 per device; 3 repetitions, 3 seeds
     python benchmarks/heterogeneous.py --quick    # 1 repetition, 1 seed
     python benchmarks/heterogeneous.py --replicas 48 --averaging-period 4   # local SGD: every 4th step averages
+    python benchmarks/heterogeneous.py --max-batch-scale 2   # the fast rank's learners may take up to 2b samples
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.accuracy import WORKLOADS, _median, train_to_target  # noqa: E402
 from benchmarks.throughput import StepTimer, bare_trainer, results_dir, save_result  # noqa: E402
 from examples.models import Classifier, conv1d_net  # noqa: E402
-from lightning_crossbow import CrossbowStrategy  # noqa: E402
+from lightning_crossbow import CrossbowStrategy, SpeedBalancer  # noqa: E402
 from lightning_crossbow.balancing import StepTime  # noqa: E402
 
 SLOW_RANK, SLOWDOWN = 1, 2.0
@@ -52,6 +53,7 @@ BATCH = int(os.environ.get("CROSSBOW_BENCH_BATCH", 16))  # per-replica batch (se
 QUICK = False  # --quick, passed on to every phase
 REPLICAS = 6  # --replicas, passed on to every phase
 PERIOD = 1  # --averaging-period, passed on to every phase
+MAX_BATCH_SCALE = 1.0  # --max-batch-scale, passed on to every phase
 
 
 class Throttle(L.Callback):
@@ -70,30 +72,37 @@ class Throttle(L.Callback):
 
 
 class SplitRecorder(L.Callback):
-    """The learners per rank at the end of training, the balancer's splits over time and its fitted models."""
+    """The learners per rank and their batch sizes at the end of training, the samples of a step over all ranks, the
+    balancer's layouts over time and its fitted models."""
 
     split: Optional[tuple[int, ...]] = None
+    batch_sizes: Optional[tuple[int, ...]] = None
+    samples_per_step: Optional[float] = None
     history: Optional[list] = None
     models_ms: Optional[list] = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
+        self.samples_per_step = strategy.samples_per_step * trainer.world_size
         balancer = getattr(strategy, "balancer", None)
         if balancer is not None:
-            self.split, self.history = strategy._split, balancer.history
+            self.split, self.batch_sizes, self.history = strategy._split, strategy._batch_sizes, balancer.history
             self.models_ms = [(1e3 * m.fixed, 1e3 * m.per_learner) for m in balancer.step_times() or ()]
 
 
-def balance_bound(split: list[int], models_ms: list[tuple[float, float]]) -> float:
-    """What the split allows by its balance alone, were synchronising free: samples/s of a synchronous step of the
-    slowest rank's busy time over the sum of each rank's alone at its k, by the balancer's fitted models
-    ``T_r(k) = fixed_r + per_learner_r k``: ``(sum_r k_r / max_r T_r(k_r)) / sum_r (k_r / T_r(k_r))``."""
-    times = [StepTime(fixed, per_learner)(k) for k, (fixed, per_learner) in zip(split, models_ms, strict=True)]
-    return (sum(split) / max(times)) / sum(k / t for k, t in zip(split, times))
+def balance_bound(split: list[int], batch_sizes: list[int], models_ms: list[tuple[float, float]]) -> float:
+    """What the layout allows by its balance alone, were synchronising free: samples/s of a synchronous step of the
+    slowest rank's busy time over the sum of each rank's alone at its k and batch, by the balancer's fitted models
+    ``T_r(u) = fixed_r + per_learner_r u`` (``u = k b_r / b``): ``(sum_r n_r / max_r T_r) / sum_r (n_r / T_r)`` with
+    ``n_r = k_r b_r`` samples a step."""
+    samples = [k * b for k, b in zip(split, batch_sizes, strict=True)]
+    times = [StepTime(*model)(n / BATCH) for n, model in zip(samples, models_ms, strict=True)]
+    return (sum(samples) / max(times)) / sum(n / t for n, t in zip(samples, times))
 
 
 def _strategy(mode: str, k: int) -> CrossbowStrategy:
-    return CrossbowStrategy(k, heterogeneous=mode == "heterogeneous", averaging_period=PERIOD)
+    balancer = SpeedBalancer(max_batch_scale=MAX_BATCH_SCALE) if mode == "heterogeneous" else False
+    return CrossbowStrategy(k, heterogeneous=balancer, averaging_period=PERIOD)
 
 
 def _throttled(rank: int) -> list[L.Callback]:
@@ -101,21 +110,25 @@ def _throttled(rank: int) -> list[L.Callback]:
     return [Throttle(slowdown)] if rank == SLOW_RANK and slowdown != 1.0 else []
 
 
-def throughput_phase(mode: str, k: int, devices: int, rank_alone: int, steps: int, warmup: int) -> dict[str, Any]:
-    """samples/s over all processes of ``steps`` steps after ``warmup`` (which covers the balancer's first windows)."""
+def throughput_phase(
+    mode: str, k: int, devices: int, rank_alone: int, steps: int, warmup: int, batch: int = BATCH
+) -> dict[str, Any]:
+    """samples/s over all processes of ``steps`` steps after ``warmup`` (which covers the balancer's first windows);
+    ``batch``: the DataLoader's batch size (a rank alone at the larger batch heterogeneous mode gave it)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    n = (warmup + steps + 1) * k * devices * BATCH
+    n = (warmup + steps + 1) * k * devices * batch * int(MAX_BATCH_SCALE + 1)
     data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
     timer, splits = StepTimer(warmup), SplitRecorder()
     trainer = bare_trainer(_strategy(mode, k), devices=devices, callbacks=[timer, splits], max_steps=warmup + steps)
     rank = rank_alone if devices == 1 else int(os.environ.get("LOCAL_RANK", 0))
     trainer.callbacks.extend(_throttled(rank))
-    trainer.fit(Classifier(conv1d_net(40, 10), lr=0.01), DataLoader(data, batch_size=BATCH))
-    learners = sum(splits.split) if splits.split else k * devices
+    trainer.fit(Classifier(conv1d_net(40, 10), lr=0.01), DataLoader(data, batch_size=batch))
+    assert splits.samples_per_step is not None
     return {
-        "samples_per_sec": timer.steps * learners * BATCH / (timer.end - timer.start),
+        "samples_per_sec": timer.steps * splits.samples_per_step / (timer.end - timer.start),
         "split": splits.split,
+        "batch_sizes": splits.batch_sizes,
         "splits": splits.history,
         "step_models_ms": splits.models_ms,
     }
@@ -138,7 +151,7 @@ def accuracy_phase(mode: str, k: int, seed: int, max_epochs: int) -> dict[str, A
 
 def _start(out: Path, *phase: str, throttle: bool = True) -> subprocess.Popen:
     command = [sys.executable, __file__, "--phase", *phase, "--result", str(out), "--replicas", str(REPLICAS)]
-    command += ["--averaging-period", str(PERIOD)]
+    command += ["--averaging-period", str(PERIOD), "--max-batch-scale", str(MAX_BATCH_SCALE)]
     command += ["--quick"] if QUICK else []
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["CROSSBOW_BENCH_BATCH"] = str(BATCH)
@@ -154,11 +167,14 @@ def _launch(out: Path, *phase: str, throttle: bool = True) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def _alone_side_by_side(scratch: Path, split: list[int]) -> list[float]:
+def _alone_side_by_side(scratch: Path, split: list[int], batch_sizes: list[int]) -> list[float]:
     """Each rank's configuration as its own one-process run, both at once and not synchronised: the machine as
     busy as in the two-process runs, without the wait for each other. Returns each one's samples/s."""
     outs = [scratch / f"side_by_side_{rank}.json" for rank in range(2)]
-    started = [_start(out, "throughput", "uniform", "1", str(rank), str(split[rank])) for rank, out in enumerate(outs)]
+    started = [
+        _start(out, "throughput", "uniform", "1", str(rank), str(split[rank]), str(batch_sizes[rank]))
+        for rank, out in enumerate(outs)
+    ]
     if any(process.wait() != 0 for process in started):
         raise RuntimeError("a side-by-side benchmark phase failed")
     return [json.loads(out.read_text())["samples_per_sec"] for out in outs]
@@ -170,22 +186,24 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=6, help="k per device (K = 2k learners in all)")
     parser.add_argument("--batch-size", type=int, default=16, help="per-replica batch size")
     parser.add_argument("--averaging-period", type=int, default=1, help="optimizer steps between two averagings")
+    parser.add_argument("--max-batch-scale", type=float, default=1.0, help="SpeedBalancer's, heterogeneous mode's")
     parser.add_argument("--throughput-only", action="store_true", help="skip the time-to-accuracy runs")
     parser.add_argument("--repeats", type=int, help="throughput repetitions (default 3; 1 with --quick)")
     parser.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="default: benchmarks/out/heterogeneous.json (out/quick/ with --quick)")
     args = parser.parse_args()
-    global BATCH, QUICK, REPLICAS, PERIOD
+    global BATCH, QUICK, REPLICAS, PERIOD, MAX_BATCH_SCALE
     BATCH = args.batch_size if not args.phase else BATCH
-    QUICK, REPLICAS, PERIOD = args.quick, args.replicas, args.averaging_period
+    QUICK, REPLICAS, PERIOD, MAX_BATCH_SCALE = args.quick, args.replicas, args.averaging_period, args.max_batch_scale
     k = args.replicas
     steps, warmup = (60, 80) if args.quick else (150, 80)  # the warm-up covers the balancer settling (3-4 windows)
     if args.phase:  # inside one launch
         kind, mode, *rest = args.phase
         if kind == "throughput":
             devices, rank_alone, split_k = int(rest[0]), int(rest[1]), int(rest[2])
-            result = throughput_phase(mode, split_k if devices == 1 else k, devices, rank_alone, steps, warmup)
+            batch = int(rest[3]) if len(rest) > 3 else BATCH
+            result = throughput_phase(mode, split_k if devices == 1 else k, devices, rank_alone, steps, warmup, batch)
         else:
             result = accuracy_phase(mode, k, seed=int(rest[0]), max_epochs=15 if args.quick else 40)
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
@@ -199,30 +217,33 @@ def main() -> None:
         out = Path(scratch) / "result.json"
         for repeat in range(repeats):
             heterogeneous = _launch(out, "throughput", "heterogeneous", "2", "0", "0")
-            split = heterogeneous["split"]
+            split, batch_sizes = heterogeneous["split"], heterogeneous["batch_sizes"]
             run = {
                 "heterogeneous": heterogeneous,
                 "uniform": _launch(out, "throughput", "uniform", "2", "0", "0"),
                 "alone": [
-                    _launch(out, "throughput", "uniform", "1", str(rank), str(split[rank]))["samples_per_sec"]
+                    _launch(out, "throughput", "uniform", "1", str(rank), str(split[rank]), str(batch_sizes[rank]))[
+                        "samples_per_sec"
+                    ]
                     for rank in range(2)
                 ],
             }
-            run["alone_side_by_side"] = _alone_side_by_side(Path(scratch), split)
+            run["alone_side_by_side"] = _alone_side_by_side(Path(scratch), split, batch_sizes)
             run["heterogeneous_over_sum_alone"] = heterogeneous["samples_per_sec"] / sum(run["alone"])
             run["heterogeneous_over_sum_side_by_side"] = heterogeneous["samples_per_sec"] / sum(
                 run["alone_side_by_side"]
             )
             run["heterogeneous_over_uniform"] = heterogeneous["samples_per_sec"] / run["uniform"]["samples_per_sec"]
             if heterogeneous["step_models_ms"]:
-                run["balance_bound"] = balance_bound(split, heterogeneous["step_models_ms"])
+                run["balance_bound"] = balance_bound(split, batch_sizes, heterogeneous["step_models_ms"])
             equal_pair = _launch(out, "throughput", "uniform", "2", "0", "0", throttle=False)["samples_per_sec"]
             equal_alone = _launch(out, "throughput", "uniform", "1", "0", str(k), throttle=False)["samples_per_sec"]
             run["unthrottled"] = {"two_processes": equal_pair, "one_alone": equal_alone}
             run["unthrottled_two_over_twice_alone"] = equal_pair / (2 * equal_alone)
             runs.append(run)
             print(
-                f"repeat {repeat}: split {split}, samples/s heterogeneous {heterogeneous['samples_per_sec']:.0f},"
+                f"repeat {repeat}: split {split}, batch sizes {batch_sizes},"
+                f" samples/s heterogeneous {heterogeneous['samples_per_sec']:.0f},"
                 f" uniform {run['uniform']['samples_per_sec']:.0f}, alone {run['alone'][0]:.0f} + {run['alone'][1]:.0f};"
                 f" heterogeneous / sum alone {run['heterogeneous_over_sum_alone']:.2f}, / sum side by side"
                 f" {run['heterogeneous_over_sum_side_by_side']:.2f},"
@@ -252,6 +273,8 @@ def main() -> None:
         command += f" --replicas {args.replicas}"
     if args.averaging_period != 1:
         command += f" --averaging-period {args.averaging_period}"
+    if args.max_batch_scale != 1:
+        command += f" --max-batch-scale {args.max_batch_scale:g}"
     if args.throughput_only:
         command += " --throughput-only"
     if args.repeats:
@@ -261,6 +284,7 @@ def main() -> None:
         command,
         replicas_per_device=k,
         averaging_period=PERIOD,
+        max_batch_scale=MAX_BATCH_SCALE,
         batch_size=BATCH,
         slowdown=SLOWDOWN,
         timed_steps=steps,

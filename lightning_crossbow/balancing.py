@@ -1,16 +1,27 @@
-r"""SpeedBalancer: gives faster devices more learners (Adaptive SGD), from measured speed.
+r"""SpeedBalancer: gives faster devices more learners (Adaptive SGD), and larger batches, from measured speed.
 
 Each rank measures its own busy time per step ``T_r``: from the end of one step's averaging to the
 start of the next step's (data loading, forward, backward and the local optimizer step, but not the
-wait for slower ranks). A synchronous step takes ``max_r T_r(k_r)``, with ``k_r`` learners on rank
-``r`` and ``T_r(k) = a_r + b_r k`` (:class:`StepTime`, fitted to the measurements).
-:func:`split_learners` gives the split of the ``K`` learners that minimises it, each rank at least
-one; the balancer switches to it when it is predicted to be at least ``min_gain`` faster than the
-split in force.
+wait for slower ranks). With ``k_r`` learners of ``b_r`` samples each on rank ``r`` (``b`` the DataLoader's
+batch size) a rank's work is ``u_r = k_r b_r / b`` learner-batches, and ``T_r(u) = a_r + c_r u``
+(:class:`StepTime`, fitted to the measurements). A synchronous step takes ``max_r T_r(u_r)``.
+
+:func:`split_learners` gives the split of the ``K`` learners at the DataLoader's batch size that minimises it,
+each rank at least one. Where a split of a fixed ``K`` cannot balance the ranks (one learner on a slow rank takes
+longer than all the others on a fast one), ``max_batch_scale > 1`` lets the faster ranks fill the step instead of
+waiting (:func:`fill_batches`): with the split's step ``T = max_q T_q(k_q)``, rank ``r``'s learners take
+
+.. math::
+
+    b_r = \max\Big(b, \Big\lfloor b \min\Big(s_{max}, \frac{T - a_r}{c_r k_r}\Big) \Big\rfloor\Big)
+
+samples each, so the slowest rank keeps the user's batch and sets the pace. The balancer switches to the new
+split and batch sizes when their predicted seconds per sample are at least ``min_gain`` below those in force.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,13 +31,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_crossbow.routing import Split
+from lightning_crossbow.routing import Layout, Split
 from lightning_crossbow.validation import check_clock, check_int, check_real
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """``T(k) = fixed + per_learner * k``: a rank's busy seconds per step with ``k`` learners.
+    """``T(u) = fixed + per_learner * u``: a rank's busy seconds per step with ``u`` learner-batches (``k``
+    learners at ``s`` times the DataLoader's batch size are ``u = k s``).
 
     The fixed part (the step's per-call overheads: Python, hooks, kernel launches) matters: with a
     purely proportional model a rank with fewer learners looks slower per learner than it is, and
@@ -36,13 +48,13 @@ class StepTime:
     fixed: float
     per_learner: float
 
-    def __call__(self, learners: int) -> float:
+    def __call__(self, learners: float) -> float:
         return self.fixed + self.per_learner * learners
 
     @classmethod
-    def fit(cls, seconds_by_learners: Mapping[int, float]) -> StepTime:
-        """Least squares through the measured ``(k, T)``; proportional (``T = (T_1 / k_1) k``) from one point,
-        or when the line would not rise with k or would start below 0."""
+    def fit(cls, seconds_by_learners: Mapping[float, float]) -> StepTime:
+        """Least squares through the measured ``(u, T)``; proportional (``T = (T_1 / u_1) u``) from one point,
+        or when the line would not rise with u or would start below 0."""
         points = sorted(seconds_by_learners.items())
         if len(points) >= 2:
             ks, ts = [float(k) for k, _ in points], [t for _, t in points]
@@ -79,29 +91,62 @@ def split_learners(
     return tuple(split)
 
 
-def step_seconds(split: Sequence[int], step_times: Sequence[Callable[[int], float]]) -> float:
-    """``max_r T_r(k_r)``: how long a synchronous step takes with ``split``."""
-    return max(time_of(k) for k, time_of in zip(split, step_times, strict=True))
+def step_seconds(
+    split: Sequence[int], step_times: Sequence[Callable[[float], float]], scales: Optional[Sequence[float]] = None
+) -> float:
+    """``max_r T_r(k_r s_r)``: how long a synchronous step takes with ``split`` (and per-replica batches ``s_r`` times
+    the DataLoader's, default 1)."""
+    scales = [1.0] * len(split) if scales is None else scales
+    return max(time_of(k * s) for k, s, time_of in zip(split, scales, step_times, strict=True))
+
+
+def fill_batches(
+    split: Sequence[int],
+    step_times: Sequence[StepTime],
+    batch_size: int,
+    max_scale: float,
+) -> Split:
+    r"""Per-replica batch sizes that let every rank fill the step the slowest one takes at ``batch_size``:
+    ``b_r = max(b, floor(b min(s_max, (T - a_r) / (c_r k_r))))`` with ``T = max_q T_q(k_q)``."""
+    pace = step_seconds(split, step_times)
+    sizes = []
+    for k, model in zip(split, step_times, strict=True):
+        room = (pace - model.fixed) / (model.per_learner * k) if model.per_learner > 0 else max_scale
+        sizes.append(max(batch_size, math.floor(batch_size * min(max_scale, room) + 1e-9)))
+    return tuple(sizes)
+
+
+def seconds_per_sample(layout: Layout, step_times: Sequence[StepTime], batch_size: int) -> float:
+    """A synchronous step's predicted seconds over the samples it trains on (all ranks')."""
+    scales = [b / batch_size for b in layout.batch_sizes]
+    samples = sum(k * b for k, b in zip(layout.split, layout.batch_sizes))
+    return step_seconds(layout.split, step_times, scales) / samples
 
 
 class SpeedBalancer:
-    """Measures every rank's busy time per step and re-splits the learners when that pays.
+    """Measures every rank's busy time per step and re-splits the learners (and sizes their batches) when that pays.
 
-    Each window, every rank's median busy seconds per step ``T_r`` at its ``k_r`` are gathered (one small
-    all-gather), with how many more learners fit in its memory. Per rank, the latest ``T`` at each of
-    the last ``remember`` distinct k fit a :class:`StepTime` model; :func:`split_learners` splits the
-    same ``K`` by the models, within memory, and the balancer switches when the predicted step is at
-    least ``min_gain`` shorter. A first window at an even split only gives proportional models; the
+    Each window, every rank's median busy seconds per step ``T_r`` at its ``u_r`` learner-batches are gathered
+    (one small all-gather), with how many more learners fit in its memory. Per rank, the latest ``T`` at each of
+    the last ``remember`` distinct u fit a :class:`StepTime` model; :func:`split_learners` splits the
+    same ``K`` by the models, within memory, :func:`fill_batches` sizes the faster ranks' batches (with
+    ``max_batch_scale > 1``), and the balancer switches when the predicted seconds per sample are at
+    least ``min_gain`` lower. A first window at an even split only gives proportional models; the
     next window at the new split corrects them.
 
     Args:
         every: steps per window; the window's median step counts (robust to the steps that hold an
             epoch's end, validation or a change of k).
-        min_gain: switch only when the new split's predicted step time is below ``(1 - min_gain)`` times
-            the current one's (hysteresis against noise).
-        remember: distinct k per rank whose measurements the models keep (older ones are dropped, so the
+        min_gain: switch only when the new split's predicted seconds per sample are below ``(1 - min_gain)``
+            times the current one's (hysteresis against noise).
+        remember: distinct u per rank whose measurements the models keep (older ones are dropped, so the
             models follow a device whose speed changes).
         clock: seconds as a float; tests inject one.
+        max_batch_scale: the largest per-replica batch a faster rank's learners may take, as a multiple of the
+            DataLoader's batch size (default 1: every learner keeps the user's batch). Above 1, where a split of
+            the learners cannot balance the ranks, the faster ranks' learners take larger batches (Adaptive SGD)
+            instead of waiting; their samples weigh in z's update by their number. Each learner's activations
+            grow with its batch: the value bounds what the device's memory must hold.
     """
 
     def __init__(
@@ -110,8 +155,10 @@ class SpeedBalancer:
         min_gain: float = 0.05,
         remember: int = 3,
         clock: Callable[[], float] = time.perf_counter,
+        max_batch_scale: float = 1.0,
     ) -> None:
         check_int("every", every, note=" (steps per window)")
+        check_real("max_batch_scale", max_batch_scale, ">= 1 (times the DataLoader's batch size)", lambda v: v >= 1.0)
         check_real("min_gain", min_gain, "in [0, 1)", lambda value: 0.0 <= value < 1.0)
         check_int("remember", remember, note=" (distinct k per rank)")
         check_clock(clock)
@@ -119,12 +166,13 @@ class SpeedBalancer:
         self.min_gain = min_gain
         self.remember = remember
         self.clock = clock
+        self.max_batch_scale = float(max_batch_scale)
         self._busy_since: Optional[float] = None
         self._window: list[float] = []  # this rank's busy seconds, one per step
-        #: Per rank, measured busy seconds per step by k (insertion order: oldest first).
-        self.measured: list[dict[int, float]] = []
-        #: ``(step, split)`` for every split put in force, the first one included.
-        self.history: list[tuple[int, Split]] = []
+        #: Per rank, measured busy seconds per step by learner-batches u (insertion order: oldest first).
+        self.measured: list[dict[float, float]] = []
+        #: ``(step, layout)`` for every split and batch sizes put in force, the first one included.
+        self.history: list[tuple[int, Layout]] = []
         #: The most learners that fit in each rank's memory, at the last window (None before it).
         self.most: Optional[list[int]] = None
 
@@ -152,11 +200,12 @@ class SpeedBalancer:
         return [StepTime.fit(by_k) for by_k in self.measured]
 
     def rebalance(
-        self, split: Split, all_gather: Callable[[Tensor], Tensor], groups_drawn: int, room: int
-    ) -> tuple[Optional[Split], int]:
-        """Ends a window: gathers every rank's median busy seconds at its k, how far its data has been drawn, and
-        how many more learners fit in its memory (``room``); returns ``(new split or None, the first group no
-        rank has drawn)``."""
+        self, layout: Layout, batch_size: int, all_gather: Callable[[Tensor], Tensor], groups_drawn: int, room: int
+    ) -> tuple[Optional[Layout], int]:
+        """Ends a window: gathers every rank's median busy seconds at its layout, how far its data has been drawn,
+        and how many more learners fit in its memory (``room``); returns ``(new layout or None, the first group no
+        rank has drawn)``. ``batch_size`` is the DataLoader's."""
+        split = layout.split
         mine = statistics.median(self._window) if self._window else float("nan")
         self._window.clear()
         gathered = all_gather(torch.tensor([mine, float(groups_drawn), float(room)], dtype=torch.float64))
@@ -166,17 +215,20 @@ class SpeedBalancer:
             return None, first_free_group
         if len(self.measured) != len(split):
             self.measured = [{} for _ in split]
-        for by_k, k, t in zip(self.measured, split, seconds):
-            by_k.pop(k, None)  # re-inserted as the newest
-            by_k[k] = t
-            while len(by_k) > self.remember:
-                del by_k[next(iter(by_k))]
+        for by_u, k, b, t in zip(self.measured, split, layout.batch_sizes, seconds):
+            units = k * b / batch_size
+            by_u.pop(units, None)  # re-inserted as the newest
+            by_u[units] = t
+            while len(by_u) > self.remember:
+                del by_u[next(iter(by_u))]
         models = self.step_times()
         assert models is not None
         if sum(self.most) < sum(split):
             return None, first_free_group
-        best = split_learners(models, sum(split), self.most)
-        if step_seconds(best, models) < (1.0 - self.min_gain) * step_seconds(split, models):
+        best_split = split_learners(models, sum(split), self.most)
+        best = Layout(best_split, fill_batches(best_split, models, batch_size, self.max_batch_scale))
+        now = seconds_per_sample(layout, models, batch_size)
+        if best != layout and seconds_per_sample(best, models, batch_size) < (1.0 - self.min_gain) * now:
             return best, first_free_group
         return None, first_free_group
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
 from typing_extensions import override
 
-from lightning_crossbow.routing import RoutedSampler, RoutingPlan
+from lightning_crossbow.routing import RoutedBatchSampler, RoutingPlan, group_fits
 from lightning_crossbow.validation import check_int
 
 
@@ -190,7 +190,7 @@ def group_fetching_loader(loader: object) -> Optional[DataLoader]:
     if not (
         type(loader) is DataLoader
         and loader.num_workers == 0
-        and type(loader.batch_sampler) is BatchSampler
+        and type(loader.batch_sampler) in (BatchSampler, RoutedBatchSampler)
         and not isinstance(loader.dataset, IterableDataset)
     ):
         return None
@@ -433,7 +433,7 @@ class ReplicaBatchLoader:
 
 
 class RoutedBatchLoader(ReplicaBatchLoader):
-    """Groups the batches of a loader over a :class:`~lightning_crossbow.routing.RoutedSampler`: each group
+    """Groups the batches of a loader over a :class:`~lightning_crossbow.routing.RoutedBatchSampler`: each group
     is this rank's share of one group of the common order, ``plan.share(g)[1]`` batches at group ``g``.
 
     Lengths count groups of the whole order (every rank has the same), not of this rank's batches.
@@ -441,21 +441,21 @@ class RoutedBatchLoader(ReplicaBatchLoader):
 
     own_passes = False  # (the routing plan keeps the order's place)
 
-    def __init__(self, loader: Iterable, routed_sampler: RoutedSampler) -> None:
+    def __init__(self, loader: Iterable, routed_sampler: RoutedBatchSampler) -> None:
         self.plan: RoutingPlan = routed_sampler.plan
         self.routed_sampler = routed_sampler
         super().__init__(loader, self.plan.share(self.plan.groups_trained)[1])
         self.current_group = -1  #: the group of the last batches handed out
         #: Whether Lightning gave it a place in its pass to resume at, which it did not take (:meth:`load_state_dict`).
         self.place_not_restored = False
-        self._order_batches_taken = 0  # in the current pass, by the groups of every rank
+        self._order_samples_taken = 0  # in the current pass, by the groups of every rank
 
     @override
     def _group_size(self) -> int:
         return self.plan.share(self.plan.groups_trained)[1]
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
-        self._order_batches_taken = 0
+        self._order_samples_taken = 0
         # Groups the last pass drew ahead of training (prefetching; limit_train_batches, max_steps), or found no
         # room for, were never trained: the new pass draws from where training is (every rank is there too).
         self.plan.groups_drawn = self.plan.groups_trained
@@ -463,7 +463,7 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         for group in super().__iter__():
             self.current_group = self.plan.groups_trained
             self.num_replicas = len(group)
-            self._order_batches_taken += sum(self.plan.split_at(self.current_group))
+            self._order_samples_taken += sum(self.plan.learner_batch_sizes(self.current_group))
             self.plan.groups_trained += 1
             yield group
 
@@ -483,17 +483,19 @@ class RoutedBatchLoader(ReplicaBatchLoader):
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those handed out, and those the rest of the order makes, each group at
         the split in force for it (groups drawn ahead keep the split they were drawn with)."""
-        remaining = self.routed_sampler.batches_per_epoch() - self._order_batches_taken
+        sampler = self.routed_sampler
+        remaining = sampler.samples_per_epoch() - self._order_samples_taken
         groups, group = self.groups_yielded, self.plan.groups_trained
-        while remaining >= (size := sum(self.plan.split_at(group))):
-            remaining -= size
+        while remaining > 0 and group_fits(remaining, sizes := self.plan.learner_batch_sizes(group), sampler.drop_last):
+            remaining -= sum(sizes)
             groups += 1
             group += 1
         return groups
 
     def __len__(self) -> int:
-        return self.routed_sampler.batches_per_epoch() // sum(self.plan.latest)
+        return self.routed_sampler.groups_per_epoch()
 
     @override
     def dropped_batches(self) -> int:
-        return self.routed_sampler.batches_per_epoch() % sum(self.plan.latest)
+        """Batches of the DataLoader's size per epoch that do not fill a last group at the latest split."""
+        return max(0, self.routed_sampler.batches_per_epoch() - len(self) * sum(self.plan.latest))

@@ -1,17 +1,21 @@
-r"""Routing by speed (Adaptive SGD): every rank takes its share of one common order of batches.
+r"""Routing by speed (Adaptive SGD): every rank takes its share of one common order of samples.
 
-Every rank draws the same order of the whole training set (the same seed and epoch). The order is
-cut into batches of the DataLoader's batch size ``b`` and the batches into *groups*, one per
-optimizer step. With the *split* ``(k_0, ..., k_{R-1})`` in force at group ``g`` (``K_g = sum_r k_r``
-learners in all), group ``g`` is the next ``K_g`` batches of the order and rank ``r`` takes
+Every rank draws the same order of the whole training set (the same seed and epoch). The order is cut
+into *groups*, one per optimizer step. With the *split* ``(k_0, ..., k_{R-1})`` and the per-replica batch
+sizes ``(b_0, ..., b_{R-1})`` in force at group ``g`` (``b_r`` is the DataLoader's batch size ``b`` unless
+the balancer gave rank ``r``'s learners larger batches), group ``g`` holds
+``N_g = sum_r k_r b_r`` samples of the order and rank ``r`` takes
 
 .. math::
 
-    \text{batches } o_g + \textstyle\sum_{q<r} k_q, \ \dots, \ o_g + \sum_{q \le r} k_q - 1,
-    \qquad o_{g+1} = o_g + K_g
+    \text{samples } o_g + \textstyle\sum_{q<r} k_q b_q, \ \dots, \ o_g + \sum_{q \le r} k_q b_q - 1,
+    \qquad o_{g+1} = o_g + N_g
 
-one per local learner. However the split changes, an epoch sees every batch once, on exactly one
-learner, and a last group of fewer than ``K_g`` batches is skipped on every rank alike.
+as ``k_r`` batches of ``b_r``, one per local learner. However the split and the batch sizes change, an
+epoch sees every sample at most once, on exactly one learner. At an epoch's end a group is made only where
+the samples left fill every learner's batch but the last one's (which may be short, as the DataLoader's
+last batch may be; with ``drop_last`` every batch must be full); otherwise the rest is skipped on every
+rank alike. With every ``b_r = b`` these are the DataLoader's own batches, ``K_g`` of them per group.
 
 Splits change at group boundaries that no rank has reached yet, not even to find that the epoch has
 no room for it (:meth:`RoutingPlan.schedule`), so the routing stays consistent when DataLoader workers
@@ -21,9 +25,8 @@ have drawn indices ahead of training.
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Iterator, Sequence
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -31,30 +34,55 @@ from torch.utils.data.distributed import DistributedSampler
 Split = tuple[int, ...]
 
 
+class Layout(NamedTuple):
+    """The learners on each rank and each rank's per-replica batch size."""
+
+    split: Split
+    batch_sizes: Split
+
+
 class RoutingPlan:
-    """The splits in force from each group on, and where this rank's sampler and training loop are.
+    """The splits (and batch sizes) in force from each group on, and where this rank's sampler and training loop are.
 
     Groups are counted from the start of fit, across epochs. ``groups_drawn`` counts the groups this
-    rank's :class:`RoutedSampler` has started to draw indices for, or found no room for at an epoch's end
+    rank's :class:`RoutedBatchSampler` has started to draw indices for, or found no room for at an epoch's end
     (it may run ahead of training by the DataLoader's prefetching); ``groups_trained`` those its
-    training loop has taken.
+    training loop has taken. Batch sizes ``None`` stand for the DataLoader's, :attr:`batch_size`, on every rank.
     """
 
-    def __init__(self, split: Sequence[int], rank: int) -> None:
+    def __init__(self, split: Sequence[int], rank: int, batch_size: int = 1) -> None:
         check_split(split)
         if not 0 <= rank < len(split):
             raise ValueError(f"rank {rank} has no share in a split over {len(split)} ranks.")
         self.rank = rank
+        #: The DataLoader's batch size: every rank's per-replica batch unless a change gave it another.
+        self.batch_size = batch_size
         self._starts: list[int] = [0]
         self._splits: list[Split] = [tuple(split)]
+        self._batch_sizes: list[Optional[Split]] = [None]
         self.groups_drawn = 0
         self.groups_trained = 0
-        #: Batch sizes of the groups whose batches are not all full (a short last batch of the order).
+        #: Every learner's samples in the groups whose batches are not all full (the order's short last one).
         self.uneven_groups: dict[int, tuple[int, ...]] = {}
+
+    def _entry(self, group: int) -> int:
+        return bisect.bisect_right(self._starts, group) - 1
 
     def split_at(self, group: int) -> Split:
         """The split in force at ``group``."""
-        return self._splits[bisect.bisect_right(self._starts, group) - 1]
+        return self._splits[self._entry(group)]
+
+    def batch_sizes_at(self, group: int) -> Split:
+        """Every rank's per-replica batch size at ``group``."""
+        return self._batch_sizes[self._entry(group)] or (self.batch_size,) * len(self.latest)
+
+    def learner_batch_sizes(self, group: int) -> Split:
+        """The full batch size of each of the group's ``K`` learners, rank by rank."""
+        return tuple(b for k, b in zip(self.split_at(group), self.batch_sizes_at(group)) for _ in range(k))
+
+    def layout_at(self, group: int) -> Layout:
+        """The split and batch sizes in force at ``group``."""
+        return Layout(self.split_at(group), self.batch_sizes_at(group))
 
     def share(self, group: int) -> tuple[int, int]:
         """``(first, count)``: this rank's learners are ``first .. first + count - 1`` of the group's ``K``."""
@@ -67,17 +95,38 @@ class RoutingPlan:
         return self._splits[-1]
 
     @property
+    def latest_batch_sizes(self) -> Split:
+        """The batch sizes of the last change scheduled."""
+        return self._batch_sizes[-1] or (self.batch_size,) * len(self.latest)
+
+    @property
+    def latest_scaled_batch_sizes(self) -> Optional[Split]:
+        """The batch sizes of the last change scheduled where they are not all the DataLoader's, else None."""
+        return self._batch_sizes[-1]
+
+    @property
+    def latest_layout(self) -> Layout:
+        """The split and batch sizes of the last change scheduled."""
+        return Layout(self.latest, self.latest_batch_sizes)
+
+    @property
     def latest_from(self) -> int:
         """The group from which :attr:`latest` is in force."""
         return self._starts[-1]
 
-    def schedule(self, split: Sequence[int], from_group: int) -> None:
-        """Puts ``split`` in force from ``from_group`` on; every rank must schedule the same.
+    def schedule(self, split: Sequence[int], from_group: int, batch_sizes: Optional[Sequence[int]] = None) -> None:
+        """Puts ``split`` (and ``batch_sizes``, default: the DataLoader's on every rank) in force from ``from_group``
+        on; every rank must schedule the same.
 
         ``from_group`` must be one that no rank has started to draw (see the strategy: the maximum of
         ``groups_drawn`` over ranks), else the ranks would cut that group differently.
         """
         check_split(split, len(self.latest))
+        sizes = None if batch_sizes is None else tuple(batch_sizes)
+        if sizes is not None:
+            check_split(sizes, len(self.latest), what="per-replica batch size")
+            if set(sizes) == {self.batch_size}:
+                sizes = None
         if from_group < self.groups_drawn:
             raise ValueError(
                 f"group {from_group} is already drawn; a new split can start at {self.groups_drawn} or later."
@@ -85,91 +134,112 @@ class RoutingPlan:
         while len(self._starts) > 1 and self._starts[-1] >= from_group:  # superseded changes no rank has reached
             self._starts.pop()
             self._splits.pop()
-        if tuple(split) == self._splits[-1]:
+            self._batch_sizes.pop()
+        if (tuple(split), sizes) == (self._splits[-1], self._batch_sizes[-1]):
             return
         if from_group == self._starts[-1]:  # (only the first entry can start there)
-            self._splits[-1] = tuple(split)
+            self._splits[-1], self._batch_sizes[-1] = tuple(split), sizes
             return
         self._starts.append(from_group)
         self._splits.append(tuple(split))
+        self._batch_sizes.append(sizes)
 
-    def restart(self, split: Sequence[int]) -> None:
-        """A new fit (or a resume): ``split`` from the first group on, counters at zero."""
+    def restart(self, split: Sequence[int], batch_sizes: Optional[Sequence[int]] = None) -> None:
+        """A new fit (or a resume): ``split`` (and ``batch_sizes``) from the first group on, counters at zero."""
         check_split(split, len(self.latest))
-        self._starts, self._splits = [0], [tuple(split)]
+        self._starts, self._splits, self._batch_sizes = [0], [tuple(split)], [None]
         self.groups_drawn = self.groups_trained = 0
         self.uneven_groups.clear()
+        if batch_sizes is not None:
+            self.schedule(split, 0, batch_sizes)
 
-    def learner_weights(self, group: int, full_groups_before: int = 0, batch_size: int = 0) -> Optional[list[float]]:
+    def learner_weights(self, group: int, full_groups_before: int = 0) -> Optional[list[float]]:
         """``K p_i`` for this rank's learners of ``group``, with ``p_i = b_i / sum_j b_j`` over all ``K``
         learners (Adaptive SGD's normalized merging) and ``b_i`` learner ``i``'s samples since the last
-        synchronisation: its batch of ``group`` after ``full_groups_before`` groups of full batches of
-        ``batch_size`` (the local steps of an averaging period, at the same split); ``None`` when all batches
-        are full (every ``K p_i = 1``)."""
-        sizes = self.uneven_groups.get(group)
-        if sizes is None:
+        synchronisation: its batch of ``group`` after ``full_groups_before`` groups of full batches at the same
+        split and batch sizes (the local steps of an averaging period); ``None`` when every learner has as many
+        (every ``K p_i = 1``)."""
+        full = self.learner_batch_sizes(group)
+        sizes = self.uneven_groups.get(group, full)
+        if sizes == full and len(set(full)) == 1:
             return None
         first, count = self.share(group)
-        samples = [full_groups_before * batch_size + size for size in sizes]
+        samples = [full_groups_before * b + size for b, size in zip(full, sizes)]
         total = sum(samples)
         return [len(samples) * b / total for b in samples[first : first + count]]
 
 
-def check_split(split: Sequence[int], ranks: Optional[int] = None) -> None:
-    """Raises unless ``split`` gives every rank (``ranks`` of them, when given) a positive number of learners."""
+def group_fits(samples_left: int, learner_sizes: Sequence[int], drop_last: bool) -> bool:
+    """Whether ``samples_left`` of the order make one more group of learners with these batch sizes: every
+    batch full, or (without ``drop_last``) all but the last learner's, which keeps at least one sample."""
+    needed = sum(learner_sizes)
+    return samples_left >= needed or (not drop_last and samples_left > needed - learner_sizes[-1])
+
+
+def check_split(split: Sequence[int], ranks: Optional[int] = None, what: str = "number of learners") -> None:
+    """Raises unless ``split`` gives every rank (``ranks`` of them, when given) a positive int ``what``."""
     if not split or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in split):
-        raise ValueError(f"A split gives every rank a positive int number of learners, got {tuple(split)!r}.")
+        raise ValueError(f"A split gives every rank a positive int {what}, got {tuple(split)!r}.")
     if ranks is not None and len(split) != ranks:
         raise ValueError(f"A split must have one entry per rank ({ranks}), got {tuple(split)!r}.")
 
 
-class RoutedSampler(Sampler[int]):
-    """Yields this rank's sample indices of a common ``order``, group by group, as :class:`RoutingPlan` splits it.
+class RoutedBatchSampler(BatchSampler):
+    """Yields this rank's batches of a common ``order``, group by group, as :class:`RoutingPlan` cuts it.
 
     ``order`` must give every rank the same indices (a :class:`~torch.utils.data.DistributedSampler`
-    with one replica and a common seed); its ``set_epoch`` is forwarded. The DataLoader batches the
-    indices with the same ``batch_size`` and ``drop_last``, so its batches are exactly the routed ones.
+    with one replica and a common seed); its ``set_epoch`` is forwarded. ``batch_size`` and ``drop_last`` are
+    the user's DataLoader's: its batch size is every learner's until the plan gives a rank another.
     """
 
     def __init__(self, order: Sampler[int], batch_size: int, drop_last: bool, plan: RoutingPlan) -> None:
-        self.order = order
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+        super().__init__(order, batch_size, drop_last)
         self.plan = plan
+        plan.batch_size = batch_size
+
+    def samples_per_epoch(self) -> int:
+        """The common order's length."""
+        return len(self.sampler)  # type: ignore[arg-type]
 
     def batches_per_epoch(self) -> int:
-        """Batches of the common order in one epoch (its last one short unless ``drop_last``)."""
-        samples = len(self.order)  # type: ignore[arg-type]
-        return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
+        """Batches of the DataLoader's batch size in the common order (its last one short unless ``drop_last``)."""
+        samples = self.samples_per_epoch()
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+
+    def groups_per_epoch(self) -> int:
+        """Groups of one epoch at the latest split and batch sizes."""
+        sizes = tuple(b for k, b in zip(self.plan.latest, self.plan.latest_batch_sizes) for _ in range(k))
+        full, left = divmod(self.samples_per_epoch(), sum(sizes))
+        return full + (left > 0 and group_fits(left, sizes, self.drop_last))
 
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the order, whose shuffle depends on the epoch."""
-        set_epoch = getattr(self.order, "set_epoch", None)
+        set_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[int]:
-        indices = list(self.order)
-        b, batches, plan = self.batch_size, self.batches_per_epoch(), self.plan
-        first_batch = 0
+    def __iter__(self) -> Iterator[list[int]]:
+        indices, plan, offset = list(self.sampler), self.plan, 0
         while True:
             group = plan.groups_drawn
-            num_learners = sum(plan.split_at(group))
+            sizes = plan.learner_batch_sizes(group)
             plan.groups_drawn += 1  # drawn, or found not to fit: either way its split is settled
-            if first_batch + num_learners > batches:
-                return  # a last group of fewer than K batches: skipped on every rank
-            last = first_batch + num_learners
-            if last * b > len(indices):  # the order's short last batch is in this group
-                plan.uneven_groups[group] = tuple(min(b, len(indices) - i * b) for i in range(first_batch, last))
-            start, count = plan.share(group)
-            yield from indices[(first_batch + start) * b : (first_batch + start + count) * b]
-            first_batch = last
+            left = len(indices) - offset
+            if not group_fits(left, sizes, self.drop_last):
+                return  # a last group that does not fill its learners: skipped on every rank
+            if left < sum(sizes):  # the order's short last batch is in this group
+                starts = [offset + sum(sizes[:i]) for i in range(len(sizes))]
+                plan.uneven_groups[group] = tuple(min(b, len(indices) - s) for b, s in zip(sizes, starts))
+            first, count = plan.share(group)
+            start = offset + sum(sizes[:first])
+            for size in sizes[first : first + count]:
+                yield indices[start : start + size]
+                start += size
+            offset += sum(sizes)
 
     def __len__(self) -> int:
-        """Indices for one epoch at the latest split (the number the DataLoader's length is computed from)."""
-        split = self.plan.latest
-        groups = self.batches_per_epoch() // sum(split)
-        return groups * split[self.plan.rank] * self.batch_size
+        """This rank's batches in one epoch at the latest split (the number the DataLoader's length is taken from)."""
+        return self.groups_per_epoch() * self.plan.latest[self.plan.rank]
 
 
 def why_unroutable(dataloader: object) -> Optional[str]:

@@ -31,6 +31,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
@@ -39,7 +40,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -104,7 +105,7 @@ from lightning_crossbow.preflight import (
     warn_of_step_schedules_under_tuning,
 )
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack, resize_rows
-from lightning_crossbow.routing import RoutedSampler, RoutingPlan, Split, why_unroutable
+from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan, Split, why_unroutable
 from lightning_crossbow.sigterm import SigtermVote
 from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
@@ -171,7 +172,9 @@ class CrossbowStrategy(DDPStrategy):
             world_size`` learners over the ranks so that the measured step times even out (during fit,
             ``replicas_per_device`` is this rank's own share); every rank takes its share of one common order
             of the data (:mod:`~lightning_crossbow.routing`), so an epoch still sees every sample once; z's
-            update weighs each learner by its share of the step's samples. Every rank's DataLoader must be
+            update weighs each learner by its share of the step's samples. ``SpeedBalancer(max_batch_scale=s)``
+            with ``s > 1`` also lets the faster ranks' learners take batches up to ``s`` times the DataLoader's
+            where the split alone cannot balance the ranks. Every rank's DataLoader must be
             the whole dataset, with ``shuffle`` True or False. Off by default.
         averaging_period: ``H``, optimizer steps between two averagings (default 1: every step). Between them
             every learner takes its own steps and z stays as it is (local SGD); the rule then averages what they
@@ -257,6 +260,7 @@ class CrossbowStrategy(DDPStrategy):
         #: Heterogeneous mode's routing of the data and the learners per rank (set up with the replicas).
         self.routing: Optional[RoutingPlan] = None
         self._split: Optional[Split] = None  # the learners per rank at the step in progress
+        self._batch_sizes: Optional[Split] = None  # and each rank's per-replica batch size (set at the first step)
 
         self.stack: Optional[ReplicaStack] = None
         self.engine: Optional[Engine] = None
@@ -362,7 +366,8 @@ class CrossbowStrategy(DDPStrategy):
         if not self._batch_size:
             return None
         if self._split is not None:
-            return self.num_learners * self._batch_size / self.world_size
+            sizes = self._batch_sizes or (self._batch_size,) * len(self._split)
+            return sum(k * b for k, b in zip(self._split, sizes)) / self.world_size
         return self.replicas_per_device * self._batch_size
 
     @property
@@ -510,9 +515,9 @@ class CrossbowStrategy(DDPStrategy):
                 " replicas a rank gives up would be lost."
             )
         self.routing = RoutingPlan((self.replicas_per_device,) * self.world_size, self.global_rank)
-        self._split = self.routing.latest
+        self._split, self._batch_sizes = self.routing.latest, None
         self.balancer.restart()
-        self.balancer.history = [(0, self._split)]
+        self.balancer.history = [(0, self._split, None)]
 
     def _check_same_config_on_all_ranks(self) -> None:
         config = {
@@ -645,8 +650,11 @@ class CrossbowStrategy(DDPStrategy):
             )
         assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
         order = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
-        routed = RoutedSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
-        return RoutedBatchLoader(_update_dataloader(dataloader, routed, mode=RunningStage.TRAINING), routed)
+        routed = RoutedBatchSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
+        # the user's loader (its workers, collate_fn, pin_memory...) made again over the routed batches
+        args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, order, mode=RunningStage.TRAINING)
+        kwargs.update(sampler=None, shuffle=False, batch_sampler=routed, batch_size=1, drop_last=False)
+        return RoutedBatchLoader(_reinstantiate_wrapped_cls(dataloader, *args, **kwargs), routed)
 
     # ------------------------------------------------------------------------------- training
     @override
@@ -665,12 +673,14 @@ class CrossbowStrategy(DDPStrategy):
                         " the others'): the resumed epoch draws its data from the start, as with a loader that does"
                         " not save its place."
                     )
-            split = self.routing.split_at(self._grouped.current_group)
-            if split != self._split:  # (every rank changes at this same step)
+            layout = self.routing.layout_at(self._grouped.current_group)
+            if self._batch_sizes is None:  # the first step of a fit
+                self._batch_sizes = layout.batch_sizes
+            if layout != (self._split, self._batch_sizes):  # (every rank changes at this same step)
                 self.average_pending_steps()  # no learner leaves with steps that z has not taken in
                 if self.balancer is not None:
-                    self.balancer.restart()  # a window measures one split
-            self._split = split
+                    self.balancer.restart()  # a window measures one layout
+            self._split, self._batch_sizes = layout
         if self._gradients_pending and not self.accumulating:
             # An optimizer step begins where Lightning zeroes the gradients, also after batches that no optimizer
             # step followed (an ``optimizer_step`` that runs the closure alone, skipping the step): their losses
@@ -970,8 +980,8 @@ class CrossbowStrategy(DDPStrategy):
             # K = k x world_size learners, split by the speeds measured last, from a group no rank has drawn.
             first_free_group = int(self._all_gather_rows(torch.tensor([float(self.routing.groups_drawn)]))[:, 0].max())
             split = self.balancer.split_for(replicas_per_device * self.world_size, self.world_size)
-            self.routing.schedule(split, first_free_group)
-            self.balancer.history.append((self.lightning_module.trainer.global_step, split))
+            self.routing.schedule(split, first_free_group)  # (at the DataLoader's batch size: the next window sizes)
+            self.balancer.history.append((self.lightning_module.trainer.global_step, split, None))
         else:
             self._grouped.num_replicas = self._k_next_group = replicas_per_device
         self._epoch.k_changed(trainer, self.stack.num_replicas)
@@ -1374,13 +1384,26 @@ class CrossbowStrategy(DDPStrategy):
         pool = self._stream_pool()
         return pool.on_sync_stream() if pool is not None and self.engine.uses_streams else nullcontext()
 
+    def _scaled_batch_sizes(self) -> Optional[Split]:
+        """Heterogeneous mode: each rank's per-replica batch size in force, where a rank's differs from the
+        DataLoader's (``SpeedBalancer(max_batch_scale > 1)``); else None."""
+        if self.routing is None or self._batch_sizes is None or set(self._batch_sizes) == {self.routing.batch_size}:
+            return None
+        return self._batch_sizes
+
+    def _layout_change_scheduled(self) -> bool:
+        """Heterogeneous mode: whether a change of the split or batch sizes is scheduled and not in force yet."""
+        if self.routing is None:
+            return False
+        latest = self.routing.latest_layout
+        sizes_changed = self._batch_sizes is not None and latest.batch_sizes != self._batch_sizes
+        return latest.split != self._split or sizes_changed
+
     def _learner_weights(self) -> Optional[Tensor]:
         """``K p_i`` of the local learners when the step's batches differ in size (heterogeneous mode), else None."""
         if self.routing is None or not isinstance(self._grouped, RoutedBatchLoader):
             return None
-        weights = self.routing.learner_weights(
-            self._grouped.current_group, self.period.steps_since - 1, self._batch_size or 0
-        )
+        weights = self.routing.learner_weights(self._grouped.current_group, self.period.steps_since - 1)
         if weights is None:
             return None
         return torch.tensor(weights, dtype=torch.float64, device=self.root_device)  # (each bucket takes its dtype)
@@ -1425,23 +1448,28 @@ class CrossbowStrategy(DDPStrategy):
 
     def _rebalance(self) -> None:
         """Ends the balancer's window: every rank moves to the same new split, if one pays, at the same group."""
-        assert self.balancer is not None and self.routing is not None and self._split is not None
-        if self.routing.latest != self._split:  # a change (the tuner's) is scheduled but not in force yet
+        assert self.balancer is not None and self.routing is not None
+        assert self._split is not None and self._batch_sizes is not None
+        current = Layout(self._split, self._batch_sizes)
+        if self.routing.latest_layout != current:  # a change (the tuner's) is scheduled but not in force yet
             self.balancer.restart()
             return
-        split, first_free_group = self.balancer.rebalance(
-            self._split, self._all_gather_rows, self.routing.groups_drawn, self._room_for_learners()
+        room, drawn = self._room_for_learners(), self.routing.groups_drawn
+        layout, first_free_group = self.balancer.rebalance(
+            current, self.routing.batch_size, self._all_gather_rows, drawn, room
         )
-        if split is None:
+        if layout is None:
             return
-        self.routing.schedule(split, first_free_group)
-        self.balancer.history.append((self.lightning_module.trainer.global_step, split))
+        self.routing.schedule(layout.split, first_free_group, layout.batch_sizes)
+        scaled = self.routing.latest_scaled_batch_sizes
+        self.balancer.history.append((self.lightning_module.trainer.global_step, layout.split, scaled))
         models = ", ".join(
-            f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} k" for m in self.balancer.step_times() or ()
+            f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} u" for m in self.balancer.step_times() or ()
         )
+        batches = f", per-replica batch sizes {current.batch_sizes} -> {layout.batch_sizes}" if scaled else ""
         rank_zero_info(
-            f"crossbow: busy ms per step by rank: {models}; learners per rank {self._split} -> {split}"
-            f" from group {first_free_group} of the data order."
+            f"crossbow: busy ms per step by rank (u: learners x batch / DataLoader's batch): {models}; learners per"
+            f" rank {self._split} -> {layout.split}{batches} from group {first_free_group} of the data order."
         )
 
     def _ends_an_epoch(self) -> bool:
@@ -1482,8 +1510,9 @@ class CrossbowStrategy(DDPStrategy):
         if self._step_started is None:
             return
         elapsed = time.perf_counter() - self._step_started
-        if elapsed > 0 and self._batch_size:
-            rate = self.replicas_per_device * self._batch_size / elapsed
+        batch_size = self._batch_sizes[self.global_rank] if self._batch_sizes is not None else self._batch_size
+        if elapsed > 0 and batch_size:
+            rate = self.replicas_per_device * batch_size / elapsed
             previous = self.samples_per_second
             self.samples_per_second = rate if previous is None else 0.9 * previous + 0.1 * rate
             if isinstance(self.accelerator, CrossbowAccelerator):
@@ -1661,9 +1690,13 @@ class CrossbowStrategy(DDPStrategy):
             # with the number of groups between the last one trained and the one it starts at
             "next_split": (
                 (self.routing.latest, self.routing.latest_from - self.routing.groups_trained)
-                if self.routing is not None and self.routing.latest != self._split
+                if self._layout_change_scheduled()
                 else None
             ),
+            # each rank's per-replica batch size, where the balancer gave some ranks larger ones (max_batch_scale),
+            # now and in the change scheduled
+            "batch_sizes": self._scaled_batch_sizes(),
+            "next_batch_sizes": self.routing.latest_scaled_batch_sizes if self._layout_change_scheduled() else None,
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
             "lrs_before_last": self._lrs_before_last,
@@ -1829,19 +1862,21 @@ class CrossbowStrategy(DDPStrategy):
         split = tuple(state["split"]) if state.get("split") else (state["replicas_per_device"],) * self.world_size
         if sum(split) != self.num_learners and not self._carries_on_the_k_of(state):
             return False
-        self.routing.restart(split)
-        self._split = split
+        batch_sizes = tuple(state["batch_sizes"]) if state.get("batch_sizes") else None
+        self.routing.restart(split, batch_sizes)
+        self._split, self._batch_sizes = split, None  # (the batch sizes are read from the plan at the first step)
         if split[self.global_rank] != self.stack.num_replicas:
             self._resize_replicas(split[self.global_rank])
         assert self.balancer is not None
-        self.balancer.history = [(0, split)]
+        self.balancer.history = [(0, split, batch_sizes)]
         next_split, groups_before = state.get("next_split") or (None, 0)
         if next_split is not None and (sum(next_split) == sum(split) or self._carries_on_the_k_of(state)):
             # A change scheduled and not in force yet goes on, as many groups after the first as it would have come
             # after the next one (a group drawn ahead and not trained may have put it later): the replicas follow
             # when its group arrives (on_train_batch_start).
-            self.routing.schedule(tuple(next_split), groups_before)
-            self.balancer.history.append((0, tuple(next_split)))
+            next_sizes = tuple(state["next_batch_sizes"]) if state.get("next_batch_sizes") else None
+            self.routing.schedule(tuple(next_split), groups_before, next_sizes)
+            self.balancer.history.append((0, tuple(next_split), next_sizes))
         return True
 
     # ------------------------------------------------------------------------------ teardown
@@ -1852,7 +1887,7 @@ class CrossbowStrategy(DDPStrategy):
         if self.routing is not None:  # a later fit starts from the mean k at an even split, on every rank alike
             self.replicas_per_device = self.tuned_replicas_per_device
             self.routing = None
-            self._split = None
+            self._split = self._batch_sizes = None
         if self._mean_gradients is not None:
             self._mean_gradients.remove()
             self._mean_gradients = None

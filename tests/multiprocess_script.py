@@ -65,7 +65,8 @@ class VirtualClock:
 
 
 class SimulatedDeviceSpeed(L.Callback):
-    """Each step, this rank's clock advances ``seconds_per_learner`` per local learner: a device of that speed."""
+    """Each step, this rank's clock advances ``seconds_per_learner`` per local learner and batch of 8 samples (the
+    DataLoader's; a larger per-replica batch costs in proportion): a device of that speed."""
 
     def __init__(self, clock: VirtualClock, seconds_per_learner: float) -> None:
         self.clock, self.seconds_per_learner = clock, seconds_per_learner
@@ -73,7 +74,8 @@ class SimulatedDeviceSpeed(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
     ) -> None:
-        self.clock.now += self.seconds_per_learner * len(batch)  # type: ignore[arg-type]
+        per_replica = max(8, *(len(y) for _, y in batch))  # type: ignore[attr-defined]  # (a short last batch: 8)
+        self.clock.now += self.seconds_per_learner * len(batch) * per_replica / 8  # type: ignore[arg-type]
 
 
 class KillAtStep(L.Callback):
@@ -171,6 +173,7 @@ class SaveFinalState(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.group_sizes: list[int] = []
+        self.batch_sizes: list[list[int]] = []  # each step's per-replica batch sizes
         self.seen: list[list[torch.Tensor]] = []  # per epoch, the inputs this rank trained on
         self.validation_batches = 0  # outside the sanity check
 
@@ -181,6 +184,7 @@ class SaveFinalState(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
     ) -> None:
         self.group_sizes.append(len(batch))  # type: ignore[arg-type]
+        self.batch_sizes.append([len(y) for _, y in batch])  # type: ignore[attr-defined]
         while len(self.seen) <= trainer.current_epoch:
             self.seen.append([])
         self.seen[trainer.current_epoch].extend(x for x, _ in batch)  # type: ignore[attr-defined]
@@ -193,6 +197,7 @@ class SaveFinalState(L.Callback):
                 "replicas": {n: p.detach().clone() for n, p in strategy.stack.params.items()},
                 "replicas_per_device": strategy.replicas_per_device,
                 "group_sizes": self.group_sizes,
+                "batch_sizes": self.batch_sizes,
                 "world_size": trainer.world_size,
                 "global_step": trainer.global_step,
                 "seen": [torch.cat(inputs) if inputs else torch.empty(0) for inputs in self.seen],
@@ -255,12 +260,13 @@ def main() -> None:
     parser.add_argument("--skip-at-step", type=int, help="every replica of every rank skips this step")
     parser.add_argument("--finetune", action="store_true", help="BackboneFinetuning: net.0 frozen until epoch 1")
     parser.add_argument("--averaging-period", type=int, default=1, help="optimizer steps between two averagings")
+    parser.add_argument("--max-batch-scale", type=float, default=1.0, help="SpeedBalancer's (with --heterogeneous)")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
     if args.heterogeneous:
         clock = VirtualClock()
-        balancer = SpeedBalancer(every=2, clock=clock)
+        balancer = SpeedBalancer(every=2, clock=clock, max_batch_scale=args.max_batch_scale)
         cost = float(args.heterogeneous.split(",")[int(os.environ.get("LOCAL_RANK", 0))])
         callbacks.append(SimulatedDeviceSpeed(clock, cost))
     if args.checkpoint_dir:

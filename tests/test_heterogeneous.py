@@ -12,11 +12,11 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 from torch import Tensor, nn
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, WeightedRandomSampler
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset, WeightedRandomSampler
 
 from lightning_crossbow import CrossbowStrategy, SpeedBalancer
-from lightning_crossbow.balancing import StepTime, split_learners, step_seconds
-from lightning_crossbow.routing import RoutedSampler, RoutingPlan
+from lightning_crossbow.balancing import StepTime, fill_batches, split_learners, step_seconds
+from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan
 from tests.helpers import Classifier, loader, make_data, make_net, trainer
 from tests.test_multiprocess import ANY_LAUNCHER, _run
 
@@ -106,8 +106,8 @@ def test_the_balancer_keeps_within_each_ranks_memory() -> None:
     balancer = SpeedBalancer(every=1, min_gain=0.0)
     balancer._window = [0.0]
     gathered = torch.tensor([[4.0, 0.0, 1.0], [12.0, 0.0, 100.0]])  # T = 1 x 4 and 3 x 4 at (4, 4)
-    new, _ = balancer.rebalance((4, 4), lambda row: gathered, groups_drawn=0, room=1)
-    assert new == (5, 3) and balancer.most == [5, 104]
+    new, _ = balancer.rebalance(Layout((4, 4), (BATCH, BATCH)), BATCH, lambda row: gathered, groups_drawn=0, room=1)
+    assert new == ((5, 3), (BATCH, BATCH)) and balancer.most == [5, 104]
 
 
 def test_step_time_fits_the_fixed_and_the_per_learner_cost() -> None:
@@ -129,30 +129,107 @@ def test_the_balancer_corrects_a_proportional_first_guess_with_a_second_window()
         times = [truth[rank](k) for rank, k in enumerate(split)]
         balancer._window = [0.0]  # (replaced by the gathered times below)
         gathered = torch.tensor([[t, 0.0, 100.0] for t in times])  # (busy seconds, groups drawn, room)
-        new, _ = balancer.rebalance(split, lambda row: gathered, groups_drawn=0, room=100)
-        split = new or split
+        layout = Layout(split, (BATCH, BATCH))
+        new, _ = balancer.rebalance(layout, BATCH, lambda row: gathered, groups_drawn=0, room=100)
+        split = new.split if new is not None else split
     best = min(((a, 12 - a) for a in range(1, 12)), key=lambda s: step_seconds(s, truth))
     assert split == best == (10, 2)
+
+
+def _draw_together(
+    plans: list[RoutingPlan], order: range, groups: int, changes: dict, drop_last: bool = False
+) -> list[list[list[list[int]]]]:
+    """Every rank's batches of each group, the ranks stepping through the groups together as training does;
+    ``changes[g] = (split, batch sizes)`` is scheduled on every rank before group ``g``."""
+    samplers = [RoutedBatchSampler(order, BATCH, drop_last, plan) for plan in plans]  # type: ignore[arg-type]
+    iterators = [iter(sampler) for sampler in samplers]
+    drawn: list[list[list[list[int]]]] = [[] for _ in plans]
+    for group in range(groups):
+        for plan in plans:
+            if group in changes:
+                split, batch_sizes = changes[group]
+                plan.schedule(split, group, batch_sizes)
+        for rank, iterator in enumerate(iterators):
+            drawn[rank].append(list(islice(iterator, plans[rank].share(group)[1])))
+    assert all(next(iterator, None) is None for iterator in iterators)
+    return drawn
 
 
 def test_routed_samplers_of_all_ranks_cover_the_order_once_however_the_split_changes() -> None:
     """Two ranks draw one order of 92 indices (12 batches of 8, the last of 4); the split changes at group 2."""
     plans = [RoutingPlan((2, 2), rank) for rank in range(2)]
-    samplers = [RoutedSampler(range(92), BATCH, False, plan) for plan in plans]  # type: ignore[arg-type]
-    iterators = [iter(sampler) for sampler in samplers]
-    drawn: list[list[list[int]]] = [[], []]
-    for group in range(3):  # the ranks step through the groups together, as training does
-        if group == 2:
-            for plan in plans:
-                plan.schedule((3, 1), from_group=2)
-        for rank, iterator in enumerate(iterators):
-            drawn[rank].append(list(islice(iterator, plans[rank].share(group)[1] * BATCH)))
-    assert all(next(iterator, None) is None for iterator in iterators)
-    assert drawn[0] == [list(range(0, 16)), list(range(32, 48)), list(range(64, 88))]
-    assert drawn[1] == [list(range(16, 32)), list(range(48, 64)), list(range(88, 92))]
+    drawn = _draw_together(plans, range(92), 3, {2: ((3, 1), None)})
+    flat = [[sum(group, []) for group in rank] for rank in drawn]
+    assert flat[0] == [list(range(0, 16)), list(range(32, 48)), list(range(64, 88))]
+    assert flat[1] == [list(range(16, 32)), list(range(48, 64)), list(range(88, 92))]
+    assert [len(batch) for batch in drawn[0][2]] == [8, 8, 8]  # one batch per learner
     assert plans[0].uneven_groups == {2: (8, 8, 8, 4)}  # the order's short last batch falls in group 2
     assert plans[0].learner_weights(2) == [4 * 8 / 28] * 3 and plans[1].learner_weights(2) == [4 * 4 / 28]
     assert plans[0].learner_weights(1) is None  # full batches: equal weights
+
+
+def test_larger_batches_on_one_rank_still_cover_the_order_once_and_weigh_by_samples() -> None:
+    """From group 1 rank 0's 3 learners take 12 samples each and rank 1's one learner 8 (44 a group): 116 indices
+    are 32 (group 0), 44, 40 (group 2, where rank 1's learner gets the last 4). With ``drop_last`` group 2 is
+    skipped."""
+    plans = [RoutingPlan((2, 2), rank) for rank in range(2)]
+    drawn = _draw_together(plans, range(116), 3, {1: ((3, 1), (12, 8))})
+    cut = [list(range(a, b)) for a, b in zip([0, 8, 16, 24, 32, 44, 56, 68, 76, 88, 100, 112], [8, 16, 24, 32, 44,
+                                              56, 68, 76, 88, 100, 112, 116])]  # fmt: skip
+    assert drawn[0] == [cut[0:2], cut[4:7], cut[8:11]]
+    assert drawn[1] == [cut[2:4], cut[7:8], cut[11:12]]
+    assert plans[1].uneven_groups == {2: (12, 12, 12, 4)}
+    assert plans[0].learner_weights(0) is None  # equal full batches
+    assert plans[0].learner_weights(1) == [4 * 12 / 44] * 3 and plans[1].learner_weights(1) == [4 * 8 / 44]
+    assert plans[0].learner_weights(2) == [4 * 12 / 40] * 3 and plans[1].learner_weights(2) == [4 * 4 / 40]
+    # group 2 closing a period of three steps at this layout: 2 x 12 + 12 and 2 x 8 + 4 samples since the averaging
+    assert plans[1].learner_weights(2, full_groups_before=2) == [4 * 20 / (3 * 36 + 20)]
+    kept = [RoutingPlan((2, 2), rank) for rank in range(2)]
+    drawn = _draw_together(kept, range(116), 2, {1: ((3, 1), (12, 8))}, drop_last=True)
+    assert drawn[0] == [cut[0:2], cut[4:7]] and not kept[0].uneven_groups
+    with pytest.raises(ValueError, match=r"positive int per-replica batch size, got \(12, 0\)"):
+        kept[0].schedule((3, 1), 5, (12, 0))
+
+
+def test_the_loader_length_follows_the_batch_sizes() -> None:
+    """116 samples at (3, 1) learners of (12, 8): 2 groups of 44 and 28 left, short of 3 x 12 + 1: an epoch of 2."""
+    plan = RoutingPlan((3, 1), rank=0)
+    sampler = RoutedBatchSampler(range(116), BATCH, False, plan)  # type: ignore[arg-type]
+    assert sampler.groups_per_epoch() == 116 // 32 == 3 and len(sampler) == 9
+    plan.schedule((3, 1), 0, (12, 8))
+    assert sampler.groups_per_epoch() == 2 and len(sampler) == 6
+    assert sum(1 for _ in sampler) == 6 and plan.groups_drawn == 3  # (the third found not to fit)
+
+
+def test_fill_batches_lets_the_faster_ranks_fill_the_slowest_ranks_step() -> None:
+    """The slowest rank keeps the DataLoader's batch and sets the pace; the others grow theirs up to it."""
+    proportional = [StepTime(0.0, 1.0), StepTime(0.0, 5.0)]
+    # split (3, 1): steps of 3 and 5; rank 0 may take 5/3 of its batch: floor(8 x 5/3) = 13
+    assert fill_batches((3, 1), proportional, BATCH, max_scale=2.0) == (13, 8)
+    assert fill_batches((3, 1), proportional, BATCH, max_scale=1.5) == (12, 8)
+    assert fill_batches((3, 1), proportional, BATCH, max_scale=1.0) == (8, 8)
+    fixed = [StepTime(4.0, 1.0), StepTime(8.0, 2.0)]  # split (10, 2): 14 and 12; rank 1 takes (14 - 8) / 4 = 1.5x
+    assert fill_batches((10, 2), fixed, BATCH, max_scale=2.0) == (8, 12)
+
+
+def test_the_balancer_gives_the_faster_rank_larger_batches_where_the_split_cannot_balance() -> None:
+    """Rank 1 takes 5x as long per learner-batch; K = 4. The best split, (3, 1), leaves rank 0 idle 2 of every 5
+    time units: with max_batch_scale=2 its learners take 13 samples instead. A window at that layout confirms it."""
+    truth = [StepTime(0.0, 1.0), StepTime(0.0, 5.0)]
+    for max_scale, expected in ((2.0, ((3, 1), (13, 8))), (1.0, ((3, 1), (8, 8)))):
+        balancer = SpeedBalancer(every=1, min_gain=0.05, max_batch_scale=max_scale)
+        layout, changes = Layout((2, 2), (BATCH, BATCH)), []
+        for _ in range(3):
+            units = [k * b / BATCH for k, b in zip(*layout)]
+            gathered = torch.tensor([[truth[rank](u), 0.0, 100.0] for rank, u in enumerate(units)])
+            balancer._window = [0.0]  # (replaced by the gathered times)
+            new, _ = balancer.rebalance(layout, BATCH, lambda row: gathered, groups_drawn=0, room=100)
+            if new is not None:
+                layout = new
+                changes.append(new)
+        assert changes == [expected]
+    with pytest.raises(ValueError, match=r"max_batch_scale must be a number >= 1 .*, got 0.5"):
+        SpeedBalancer(max_batch_scale=0.5)
 
 
 def test_a_split_cannot_start_at_a_group_already_drawn() -> None:
@@ -171,7 +248,7 @@ def test_a_group_found_not_to_fit_counts_as_drawn() -> None:
     """Rank 1 of a (3, 1) split runs out of the order before group 2 (10 batches: 8 used, 2 left < K = 4);
     a new split must not start at group 2, or rank 0 could find room for it that rank 1 did not."""
     plan = RoutingPlan((3, 1), rank=1)
-    assert len(list(RoutedSampler(range(80), BATCH, False, plan))) == 2 * BATCH  # type: ignore[arg-type]
+    assert len(list(RoutedBatchSampler(range(80), BATCH, False, plan))) == 2  # type: ignore[arg-type]
     assert plan.groups_drawn == 3
     with pytest.raises(ValueError, match="group 2 is already drawn"):
         plan.schedule((1, 1), from_group=2)
@@ -232,11 +309,11 @@ def test_heterogeneous_mode_refuses_a_batch_sampler_given_to_the_loader_saying_s
 
 
 # ------------------------------------------------------------------------ two processes
-def _heterogeneous_run(out: Path, *extra: str, k: int = 4, costs: str = "1,3") -> list[dict]:
+def _heterogeneous_run(out: Path, *extra: str, k: int = 4, costs: str = "1,3", samples: int = 188) -> list[dict]:
     out.mkdir(exist_ok=True)
     result = _run(
-        out, ANY_LAUNCHER, str(k), "--heterogeneous", costs, "--samples", "188", "--algorithm", "scaled_averaging",
-        "--outer-lr", "2.0", "--optimizer", "plain_sgd", *extra,
+        out, ANY_LAUNCHER, str(k), "--heterogeneous", costs, "--samples", str(samples),
+        "--algorithm", "scaled_averaging", "--outer-lr", "2.0", "--optimizer", "plain_sgd", *extra,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
@@ -254,7 +331,7 @@ def test_a_three_times_slower_rank_gets_a_quarter_of_the_learners_and_the_values
     """K = 8 learners; rank 1's device takes 3x as long per learner-step (a virtual clock). After one window
     the split is (6, 2), every sample is still trained on once per epoch, and z is the reference's."""
     epochs, ranks = 4, four_epochs
-    assert [split for _, split in ranks[0]["splits"]] == [(4, 4), (6, 2)]
+    assert [split for _, split, _ in ranks[0]["splits"]] == [(4, 4), (6, 2)]
     assert ranks[0]["replicas_per_device"] == 6 and ranks[1]["replicas_per_device"] == 2
     assert ranks[0]["global_step"] == epochs * 3  # 24 batches of the common order per epoch, 8 per step
     dataset_inputs = make_data(num_samples=188).tensors[0]
@@ -280,7 +357,7 @@ def test_local_steps_on_devices_of_different_speed_keep_every_sample_once_and_th
     a period, the steps before it are averaged first."""
     epochs = 4
     ranks = _heterogeneous_run(tmp_path / "run", "--epochs", str(epochs), "--averaging-period", "3")
-    assert [split for _, split in ranks[0]["splits"]] == [(4, 4), (6, 2)]
+    assert [split for _, split, _ in ranks[0]["splits"]] == [(4, 4), (6, 2)]
     sizes = ranks[0]["group_sizes"]
     change = sizes.index(6)
     assert change in (3, 4) and set(sizes[:change]) == {4} and set(sizes[change:]) == {6}
@@ -300,6 +377,85 @@ def test_local_steps_on_devices_of_different_speed_keep_every_sample_once_and_th
     assert not all(torch.allclose(a, b) for a, b in zip(ranks[0]["z"], every_step))  # (the period made a difference)
 
 
+def reference_by_batch_sizes(
+    net: nn.Module, dataset: TensorDataset, steps: list[list[list[int]]], lr: float, eta: float
+) -> list[Tensor]:
+    """Averaging every step, written out over one common order (``shuffle=False``): ``steps[e][s]`` holds the batch
+    sizes of epoch ``e``'s step ``s``'s learners, which take the next samples of the order in turn; each takes one
+    SGD step from z, then ``z <- z + eta * sum_i p_i (w_i - z)`` with ``p_i = b_i / sum_j b_j``."""
+    z = copy.deepcopy(net)
+    x_all, y_all = dataset.tensors
+    for epoch_steps in steps:
+        offset = 0
+        for sizes in epoch_steps:
+            moves = []
+            for size in sizes:
+                learner = copy.deepcopy(z)
+                x, y = x_all[offset : offset + size], y_all[offset : offset + size]
+                offset += size
+                nn.functional.cross_entropy(learner(x), y).backward()
+                with torch.no_grad():
+                    moves.append([p - lr * p.grad - q for p, q in zip(learner.parameters(), z.parameters())])
+            with torch.no_grad():
+                for index, p in enumerate(z.parameters()):
+                    p += eta * sum(b / sum(sizes) * move[index] for b, move in zip(sizes, moves))
+    return [p.detach() for p in z.parameters()]
+
+
+def _larger_batches_run(out: Path, *extra: str) -> list[dict]:
+    """K = 4, rank 1 5x slower per batch of 8, max_batch_scale=2."""
+    return _heterogeneous_run(out, "--max-batch-scale", "2", *extra, k=2, costs="1,5")
+
+
+@pytest.fixture(scope="module")
+def larger_batches(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _larger_batches_run(tmp_path_factory.mktemp("larger_batches"), "--epochs", "4")
+
+
+def test_a_rank_too_slow_to_balance_by_learners_hands_larger_batches_to_the_fast_one(
+    larger_batches: list[dict],
+) -> None:
+    """K = 4 learners, rank 1 5x slower per batch of 8: the best split, (3, 1), would leave rank 0 idle 2/5 of each
+    step, so with max_batch_scale=2 its learners take floor(8 x 5/3) = 13 samples. Every epoch still trains on
+    the order's samples once each (its tail that fills no group skipped), z weighs each learner by its samples
+    exactly as the reference does, and the next windows keep that layout."""
+    epochs, samples, ranks = 4, 188, larger_batches
+    assert [(split, sizes) for _, split, sizes in ranks[0]["splits"]] == [((2, 2), None), ((3, 1), (13, 8))]
+    per_step = [a + b for a, b in zip(ranks[0]["batch_sizes"], ranks[1]["batch_sizes"], strict=True)]
+    assert {tuple(sizes) for sizes in per_step} >= {(8, 8, 8, 8), (13, 13, 13, 8)}
+    dataset = make_data(num_samples=samples)
+    steps: list[list[list[int]]] = []
+    for epoch in range(epochs):
+        seen = torch.cat([ranks[0]["seen"][epoch], ranks[1]["seen"][epoch]])
+        matches = (seen.unsqueeze(1) == dataset.tensors[0].unsqueeze(0)).all(-1).sum(0)  # per sample of the order
+        trained = len(seen)
+        assert torch.equal(matches[:trained], torch.ones(trained, dtype=torch.long)) and not matches[trained:].any()
+        assert samples - trained < 3 * 13 + 1  # what is left fills no group of (13, 13, 13, 8) but a short last one
+        steps.append([])
+        while sum(map(sum, steps[-1])) < trained:
+            steps[-1].append(per_step[sum(map(len, steps))])
+        assert sum(map(sum, steps[-1])) == trained
+    assert sum(map(len, steps)) == len(per_step)
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
+    expected = reference_by_batch_sizes(make_net(), dataset, steps, lr=0.1, eta=2.0)
+    for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
+        torch.testing.assert_close(actual, wanted)
+
+
+def test_a_resume_carries_on_the_larger_batches_exactly(tmp_path: Path, larger_batches: list[dict]) -> None:
+    """Saved after epoch 2 and resumed to epoch 4: the same learners and batch sizes, bitwise the same z."""
+    checkpoint = str(tmp_path / "half.ckpt")
+    _larger_batches_run(tmp_path / "half", "--epochs", "2", "--save", checkpoint)
+    resumed = _larger_batches_run(tmp_path / "resumed", "--epochs", "4", "--resume", checkpoint)
+    assert resumed[0]["splits"][0] == (0, (3, 1), (13, 8))
+    steps = len(resumed[0]["batch_sizes"])
+    for rank in range(2):
+        assert resumed[rank]["batch_sizes"] == larger_batches[rank]["batch_sizes"][-steps:]
+        for x, y in zip(larger_batches[rank]["z"], resumed[rank]["z"], strict=True):
+            assert torch.equal(x, y)
+
+
 def test_a_loader_made_in_configure_optimizers_is_routed_too(tmp_path: Path, four_epochs: list[dict]) -> None:
     """``configure_optimizers`` reading ``trainer.estimated_stepping_batches`` (a OneCycleLR set-up) makes the training
     loader during the strategy's set-up, and Lightning keeps it: it is routed as any other (before, it was the
@@ -315,7 +471,7 @@ def test_a_loader_made_in_configure_optimizers_is_routed_too(tmp_path: Path, fou
 
 def test_equal_devices_keep_the_even_split_and_the_uniform_rule(tmp_path: Path) -> None:
     ranks = _heterogeneous_run(tmp_path / "run", "--epochs", "2", costs="1,1")
-    assert [split for _, split in ranks[0]["splits"]] == [(4, 4)]
+    assert [split for _, split, _ in ranks[0]["splits"]] == [(4, 4)]
     assert ranks[0]["group_sizes"] == ranks[1]["group_sizes"] == [4] * 6
     expected = reference_weighted_averaging(make_net(), make_data(num_samples=188), 8, 2, lr=0.1, eta=2.0)
     for actual, wanted in zip(ranks[1]["z"], expected, strict=True):
@@ -378,9 +534,9 @@ def test_a_resume_carries_on_a_change_of_split_scheduled_at_the_checkpoint(
     """The resumed fit trains at the split the checkpointed run had scheduled (K = 6, split by the speeds measured),
     from its first step, as the run that went on did from the step after the save; not at the split in force."""
     straight, resumed = change_scheduled
-    step, scheduled = straight[0]["splits"][-1]
+    step, scheduled, _ = straight[0]["splits"][-1]
     assert step == 4 and sum(scheduled) == 6 and scheduled != straight[0]["splits"][-2][1]
-    assert resumed[0]["splits"][-1] == (0, scheduled)
+    assert resumed[0]["splits"][-1] == (0, scheduled, None)
     for rank in range(2):
         assert straight[rank]["group_sizes"][4:] == [scheduled[rank]] * (len(straight[rank]["group_sizes"]) - 4)
         assert resumed[rank]["group_sizes"] == [scheduled[rank]] * len(resumed[rank]["group_sizes"])
@@ -413,15 +569,15 @@ def test_a_resume_with_a_loader_that_saves_its_place_starts_the_epochs_data_agai
 def test_a_split_scheduled_at_an_epochs_last_step_starts_at_the_same_group_after_a_resume(
     tmp_path: Path, four_epochs: list[dict]
 ) -> None:
-    """The first window ends at step 3, the last of epoch 0 (3 steps an epoch): its split is scheduled from the
-    first group no rank has drawn, the second of epoch 1 (the end of epoch 0 drew one more to find it short). A fit
-    resumed from that step's checkpoint starts it at that same group of epoch 1, not at the first."""
+    """The first window ends before step 3, the last of epoch 0 (3 steps an epoch), whose group the loader has
+    drawn ahead: its split is scheduled from the first group no rank has drawn, the first of epoch 1, and the
+    checkpoint of step 3 holds it as a change not in force yet. A fit resumed from it starts with that split."""
     checkpoint = str(tmp_path / "step3.ckpt")
     straight = _heterogeneous_run(tmp_path / "straight", "--epochs", "4", "--save-at", f"3:{checkpoint}")
     assert straight[0]["group_sizes"] == four_epochs[0]["group_sizes"]  # (saving changed nothing)
     resumed = _heterogeneous_run(tmp_path / "resumed", "--epochs", "4", "--resume", checkpoint)
     for rank in range(2):
-        assert straight[rank]["group_sizes"][3] == 4 and straight[rank]["group_sizes"][4] != 4  # (as described)
+        assert straight[rank]["group_sizes"][2] == 4 and straight[rank]["group_sizes"][3] != 4  # (as described)
         assert resumed[rank]["group_sizes"] == straight[rank]["group_sizes"][3:]
         for x, y in zip(resumed[rank]["z"], straight[rank]["z"], strict=True):
             assert torch.equal(x, y)
@@ -484,7 +640,7 @@ def test_a_second_fit_starts_again_from_the_mean_k_at_an_even_split(tmp_path: Pa
     """After a fit that split the learners (6, 2), the same strategy fits again: every rank is configured alike
     (k = 4, the mean), starts at (4, 4), and the balancer finds (6, 2) again."""
     ranks = _heterogeneous_run(tmp_path / "run", "--epochs", "2", "--second-fit")
-    assert [split for _, split in ranks[0]["splits"]] == [(4, 4), (6, 2)]
+    assert [split for _, split, _ in ranks[0]["splits"]] == [(4, 4), (6, 2)]
     assert ranks[0]["global_step"] == 3 * 3
     for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
         assert torch.equal(a, b)
