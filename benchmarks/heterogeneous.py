@@ -72,18 +72,24 @@ class Throttle(L.Callback):
 
 
 class SplitRecorder(L.Callback):
-    """The learners per rank and their batch sizes at the end of training, the samples of a step over all ranks, the
-    balancer's layouts over time and its fitted models."""
+    """The learners per rank and their batch sizes at the end of training, the samples of the steps from ``warmup``
+    on over all ranks, the balancer's layouts over time and its fitted models."""
 
     split: Optional[tuple[int, ...]] = None
     batch_sizes: Optional[tuple[int, ...]] = None
-    samples_per_step: Optional[float] = None
     history: Optional[list] = None
     models_ms: Optional[list] = None
 
+    def __init__(self, warmup: int = 0) -> None:
+        self.warmup = warmup
+        self.timed_samples = 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step > self.warmup:  # (the steps StepTimer times: each step's own layout)
+            self.timed_samples += trainer.strategy.samples_per_step * trainer.world_size
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
-        self.samples_per_step = strategy.samples_per_step * trainer.world_size
         balancer = getattr(strategy, "balancer", None)
         if balancer is not None:
             self.split, self.batch_sizes, self.history = strategy._split, strategy._batch_sizes, balancer.history
@@ -119,14 +125,14 @@ def throughput_phase(
     torch.manual_seed(0)
     n = (warmup + steps + 1) * k * devices * batch * int(MAX_BATCH_SCALE + 1)
     data = TensorDataset(torch.randn(n, 40), torch.randint(0, 10, (n,)))
-    timer, splits = StepTimer(warmup), SplitRecorder()
+    timer, splits = StepTimer(warmup), SplitRecorder(warmup)
     trainer = bare_trainer(_strategy(mode, k), devices=devices, callbacks=[timer, splits], max_steps=warmup + steps)
     rank = rank_alone if devices == 1 else int(os.environ.get("LOCAL_RANK", 0))
     trainer.callbacks.extend(_throttled(rank))
     trainer.fit(Classifier(conv1d_net(40, 10), lr=0.01), DataLoader(data, batch_size=batch))
-    assert splits.samples_per_step is not None
+    assert splits.timed_samples > 0 and timer.end is not None and timer.start is not None
     return {
-        "samples_per_sec": timer.steps * splits.samples_per_step / (timer.end - timer.start),
+        "samples_per_sec": splits.timed_samples / (timer.end - timer.start),
         "split": splits.split,
         "batch_sizes": splits.batch_sizes,
         "splits": splits.history,

@@ -7,16 +7,19 @@ batch size) a rank's work is ``u_r = k_r b_r / b`` learner-batches, and ``T_r(u)
 (:class:`StepTime`, fitted to the measurements). A synchronous step takes ``max_r T_r(u_r)``.
 
 :func:`split_learners` gives the split of the ``K`` learners at the DataLoader's batch size that minimises it,
-each rank at least one. Where a split of a fixed ``K`` cannot balance the ranks (one learner on a slow rank takes
-longer than all the others on a fast one), ``max_batch_scale > 1`` lets the faster ranks fill the step instead of
-waiting (:func:`fill_batches`): with the split's step ``T = max_q T_q(k_q)``, rank ``r``'s learners take
+each rank at least one. Where a split of a fixed ``K`` cannot balance the ranks (a slow rank whose fixed cost per
+step alone exceeds what a fast one takes with all the other learners), ``max_batch_scale > 1`` lets the ranks that
+would wait fill the step instead (:func:`fill_batches`): with the split's step ``T = max_q T_q(k_q)``, rank ``r``'s
+learners take
 
 .. math::
 
     b_r = \max\Big(b, \Big\lfloor b \min\Big(s_{max}, \frac{T - a_r}{c_r k_r}\Big) \Big\rfloor\Big)
 
-samples each, so the slowest rank keeps the user's batch and sets the pace. The balancer switches to the new
-split and batch sizes when their predicted seconds per sample are at least ``min_gain`` below those in force.
+samples each, so the rank that sets the pace keeps the user's batch. (A per-learner cost that does not grow with
+the batch, such as the optimizer step, is counted in ``c_r`` as if it did, so the fill errs short.) The balancer
+switches to the new split and batch sizes when their predicted seconds per sample are at least ``min_gain`` below
+those in force.
 """
 
 from __future__ import annotations
@@ -171,8 +174,9 @@ class SpeedBalancer:
         self._window: list[float] = []  # this rank's busy seconds, one per step
         #: Per rank, measured busy seconds per step by learner-batches u (insertion order: oldest first).
         self.measured: list[dict[float, float]] = []
-        #: ``(step, layout)`` for every split and batch sizes put in force, the first one included.
-        self.history: list[tuple[int, Layout]] = []
+        #: ``(step, split, batch sizes)`` for every layout scheduled, the first one included (batch sizes None: the
+        #: DataLoader's on every rank).
+        self.history: list[tuple[int, Split, Optional[Split]]] = []
         #: The most learners that fit in each rank's memory, at the last window (None before it).
         self.most: Optional[list[int]] = None
 

@@ -497,5 +497,11 @@ class RoutedBatchLoader(ReplicaBatchLoader):
 
     @override
     def dropped_batches(self) -> int:
-        """Batches of the DataLoader's size per epoch that do not fill a last group at the latest split."""
-        return max(0, self.routed_sampler.batches_per_epoch() - len(self) * sum(self.plan.latest))
+        """Batches of the DataLoader's size that the samples skipped at each epoch's end make
+        (:meth:`~lightning_crossbow.routing.RoutedBatchSampler.skipped_samples`)."""
+        return -(-self.routed_sampler.skipped_samples() // self.routed_sampler.batch_size)
+
+    @property
+    def batch_size(self) -> int:
+        """The user's DataLoader's batch size (the re-made loader's own is None: it takes a batch sampler)."""
+        return self.routed_sampler.batch_size

@@ -160,13 +160,23 @@ class RoutingPlan:
         split and batch sizes (the local steps of an averaging period); ``None`` when every learner has as many
         (every ``K p_i = 1``)."""
         full = self.learner_batch_sizes(group)
-        sizes = self.uneven_groups.get(group, full)
-        if sizes == full and len(set(full)) == 1:
-            return None
+        sizes = self.uneven_groups.get(group)
+        if sizes is None:
+            return full_batch_weights(self.layout_at(group), self.rank)
         first, count = self.share(group)
         samples = [full_groups_before * b + size for b, size in zip(full, sizes)]
         total = sum(samples)
         return [len(samples) * b / total for b in samples[first : first + count]]
+
+
+def full_batch_weights(layout: Layout, rank: int) -> Optional[list[float]]:
+    """``K p_i`` for ``rank``'s learners after any number of steps of full batches at ``layout``:
+    ``p_i = b_r / sum_q k_q b_q`` for a learner of rank ``r``; ``None`` where every ``b_r`` is the same."""
+    if len(set(layout.batch_sizes)) == 1:
+        return None
+    num_learners = sum(layout.split)
+    total = sum(k * b for k, b in zip(layout.split, layout.batch_sizes))
+    return [num_learners * layout.batch_sizes[rank] / total] * layout.split[rank]
 
 
 def group_fits(samples_left: int, learner_sizes: Sequence[int], drop_last: bool) -> bool:
@@ -206,11 +216,19 @@ class RoutedBatchSampler(BatchSampler):
         samples = self.samples_per_epoch()
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
-    def groups_per_epoch(self) -> int:
-        """Groups of one epoch at the latest split and batch sizes."""
-        sizes = tuple(b for k, b in zip(self.plan.latest, self.plan.latest_batch_sizes) for _ in range(k))
+    def groups_per_epoch(self, layout: Optional[Layout] = None) -> int:
+        """Groups of one epoch at ``layout`` (default: the latest split and batch sizes)."""
+        return len(self._group_samples(layout or self.plan.latest_layout))
+
+    def skipped_samples(self) -> int:
+        """Samples at the end of each epoch that fill no group at the latest layout."""
+        return self.samples_per_epoch() - sum(self._group_samples(self.plan.latest_layout))
+
+    def _group_samples(self, layout: Layout) -> list[int]:
+        """The samples of each of an epoch's groups at ``layout`` (the last one short where it keeps a short batch)."""
+        sizes = tuple(b for k, b in zip(*layout) for _ in range(k))
         full, left = divmod(self.samples_per_epoch(), sum(sizes))
-        return full + (left > 0 and group_fits(left, sizes, self.drop_last))
+        return [sum(sizes)] * full + ([left] if left > 0 and group_fits(left, sizes, self.drop_last) else [])
 
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the order, whose shuffle depends on the epoch."""

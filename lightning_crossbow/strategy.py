@@ -105,7 +105,14 @@ from lightning_crossbow.preflight import (
     warn_of_step_schedules_under_tuning,
 )
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack, resize_rows
-from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan, Split, why_unroutable
+from lightning_crossbow.routing import (
+    Layout,
+    RoutedBatchSampler,
+    RoutingPlan,
+    Split,
+    full_batch_weights,
+    why_unroutable,
+)
 from lightning_crossbow.sigterm import SigtermVote
 from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
@@ -260,7 +267,7 @@ class CrossbowStrategy(DDPStrategy):
         #: Heterogeneous mode's routing of the data and the learners per rank (set up with the replicas).
         self.routing: Optional[RoutingPlan] = None
         self._split: Optional[Split] = None  # the learners per rank at the step in progress
-        self._batch_sizes: Optional[Split] = None  # and each rank's per-replica batch size (set at the first step)
+        self._batch_sizes: Optional[Split] = None  # and each rank's per-replica batch size (None: the DataLoader's)
 
         self.stack: Optional[ReplicaStack] = None
         self.engine: Optional[Engine] = None
@@ -531,7 +538,7 @@ class CrossbowStrategy(DDPStrategy):
             "reset_on_lr_drop": self.reset_on_lr_drop,
             "heterogeneous": None
             if self.balancer is None
-            else (self.balancer.every, self.balancer.min_gain, self.balancer.remember),
+            else (self.balancer.every, self.balancer.min_gain, self.balancer.remember, self.balancer.max_batch_scale),
         }
         configs = self._gather_objects(config)
         differing = [key for key in config if any(c[key] != config[key] for c in configs)]
@@ -599,7 +606,14 @@ class CrossbowStrategy(DDPStrategy):
                 f" replicas_per_device={most}, or give the loader more batches (a smaller batch size)."
             )
         dropped = grouped.dropped_batches()
-        if dropped:
+        if self.routing is not None and dropped:
+            sampler = routed.routed_sampler
+            rank_zero_warn(
+                f"crossbow: the training DataLoader has {sampler.samples_per_epoch()} samples; the last"
+                f" {sampler.skipped_samples()} of every epoch's common order do not fill a step of {per_step}"
+                f" ({sum(k * b for k, b in zip(*self.routing.latest_layout))} samples) and are skipped."
+            )
+        elif dropped:
             batches = f"has {len(grouped) * batches_per_step + dropped} batches"
             if grouped.batch_limit is not None:  # (a fraction of them)
                 limit = f"{limit_argument(trainer)}={self._epoch.train_fraction}"
@@ -634,25 +648,36 @@ class CrossbowStrategy(DDPStrategy):
         seed = sampler.seed if injected else int(os.getenv("PL_GLOBAL_SEED", 0))  # (the seed Lightning's takes)
         shuffle = sampler.shuffle if injected else isinstance(sampler, RandomSampler)
         length = len(dataloader.dataset) if problem is None else None  # type: ignore[attr-defined]
+        batches = (getattr(dataloader, "batch_size", None), getattr(dataloader, "drop_last", None))
         # every rank learns of any rank's problem: none is left waiting in a collective
-        ranks = self._gather_objects((problem, length, seed))
-        problems = [p for p, _, _ in ranks if p is not None]
+        ranks = self._gather_objects((problem, length, seed, batches))
+        problems = [p for p, *_ in ranks if p is not None]
         if problems:
             raise ValueError(
                 "crossbow: heterogeneous=True routes batches of one common order of the whole dataset to the ranks,"
                 f" so the training DataLoader needs {problems[0]}."
             )
-        if len({(n, r) for _, n, r in ranks}) > 1:
+        if len({(n, r) for _, n, r, _ in ranks}) > 1:
             raise ValueError(
                 "crossbow: heterogeneous=True needs the whole dataset and the same seed on every rank (it draws one"
                 f" common order and routes it itself); the ranks have (dataset length, PL_GLOBAL_SEED) = "
-                f"{[(n, r) for _, n, r in ranks]}."
+                f"{[(n, r) for _, n, r, _ in ranks]}."
+            )
+        if len({b for *_, b in ranks}) > 1:
+            raise ValueError(
+                "crossbow: heterogeneous=True cuts one common order into the same groups on every rank, so every"
+                " rank's training DataLoader needs the same batch_size and drop_last (the balancer gives faster ranks"
+                f" larger batches itself: SpeedBalancer(max_batch_scale=...)); the ranks have (batch_size, drop_last)"
+                f" = {[b for *_, b in ranks]}."
             )
         assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
         order = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
         routed = RoutedBatchSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
         # the user's loader (its workers, collate_fn, pin_memory...) made again over the routed batches
         args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, order, mode=RunningStage.TRAINING)
+        names = getattr(dataloader, "__pl_saved_arg_names", ())  # (arguments given by position, as DataLoader(d, 64))
+        if len(names) == len(args):
+            args, kwargs = (), {**dict(zip(names, args)), **kwargs}
         kwargs.update(sampler=None, shuffle=False, batch_sampler=routed, batch_size=1, drop_last=False)
         return RoutedBatchLoader(_reinstantiate_wrapped_cls(dataloader, *args, **kwargs), routed)
 
@@ -674,9 +699,7 @@ class CrossbowStrategy(DDPStrategy):
                         " not save its place."
                     )
             layout = self.routing.layout_at(self._grouped.current_group)
-            if self._batch_sizes is None:  # the first step of a fit
-                self._batch_sizes = layout.batch_sizes
-            if layout != (self._split, self._batch_sizes):  # (every rank changes at this same step)
+            if layout != self._layout_in_force():  # (every rank changes at this same step)
                 self.average_pending_steps()  # no learner leaves with steps that z has not taken in
                 if self.balancer is not None:
                     self.balancer.restart()  # a window measures one layout
@@ -1154,15 +1177,15 @@ class CrossbowStrategy(DDPStrategy):
             return
         with torch.no_grad():
             self.averaging.before_local_step(self.stack.buckets, self.num_learners)
-        self._average_then_restart(self.optimizers[0], None, self.period.skipped_throughout, weighted=False)
+        self._average_then_restart(self.optimizers[0], None, self.period.skipped_throughout, pending=True)
 
     def _average_then_restart(
-        self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor], weighted: bool = True
+        self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor], pending: bool = False
     ) -> None:
         """The averaging (:meth:`_average`, ``diverged`` and ``skipped`` learners left out of it), then a new period;
         the learners left out restart (:meth:`_restart_left_out`) and z's buffers are formed."""
         dropped = diverged if skipped is None else skipped if diverged is None else diverged | skipped
-        if not self._average(optimizer, dropped, weighted):
+        if not self._average(optimizer, dropped, pending):
             skipped = None  # every learner of every process skipped: those stay as they were (diverged ones restart)
         self.period.averaged()
         self._restart_left_out(optimizer, diverged, skipped)
@@ -1245,10 +1268,11 @@ class CrossbowStrategy(DDPStrategy):
             # the activations they reference): only now can that memory go back before the next attempt.
             release_cached_memory(self.root_device)
 
-    def _average(self, optimizer: Optimizer, dropped: Optional[Tensor], weighted: bool = True) -> bool:
+    def _average(self, optimizer: Optimizer, dropped: Optional[Tensor], pending: bool = False) -> bool:
         """The rule's update after the local step, on the averaging stream when the replicas run on streams;
-        ``dropped`` learners add nothing to it; ``weighted``: by the shares of the samples (heterogeneous mode), else
-        equally. False when nothing moved: every learner of every process left out."""
+        ``dropped`` learners add nothing to it; heterogeneous mode weighs learners by their samples
+        (:meth:`_learner_weights`; ``pending``: of the steps since the last averaging, without a local step of its
+        own). False when nothing moved: every learner of every process left out."""
         assert self.stack is not None
         context = StepContext(
             num_learners=self.num_learners,
@@ -1258,7 +1282,7 @@ class CrossbowStrategy(DDPStrategy):
             all_reduce_sum=all_reduce_sum_,
             pull_rows=pull_rows,
             dropped=dropped,
-            learner_weights=self._learner_weights() if weighted else None,
+            learner_weights=self._learner_weights(pending),
             riders=self._sigterm_vote.ballot(self.root_device) if self._sigterm_vote.installed else None,
             single_process=self.world_size == 1,
         )
@@ -1384,26 +1408,34 @@ class CrossbowStrategy(DDPStrategy):
         pool = self._stream_pool()
         return pool.on_sync_stream() if pool is not None and self.engine.uses_streams else nullcontext()
 
+    def _layout_in_force(self) -> Layout:
+        """Heterogeneous mode: the learners per rank and their per-replica batch sizes at the step in progress (the
+        last one; before a fit's first step, the checkpoint's or the first)."""
+        assert self.routing is not None and self._split is not None
+        return Layout(self._split, self._batch_sizes or (self.routing.batch_size,) * len(self._split))
+
     def _scaled_batch_sizes(self) -> Optional[Split]:
         """Heterogeneous mode: each rank's per-replica batch size in force, where a rank's differs from the
         DataLoader's (``SpeedBalancer(max_batch_scale > 1)``); else None."""
-        if self.routing is None or self._batch_sizes is None or set(self._batch_sizes) == {self.routing.batch_size}:
+        if self.routing is None:
             return None
-        return self._batch_sizes
+        sizes = self._layout_in_force().batch_sizes
+        return None if set(sizes) == {self.routing.batch_size} else sizes
 
     def _layout_change_scheduled(self) -> bool:
         """Heterogeneous mode: whether a change of the split or batch sizes is scheduled and not in force yet."""
-        if self.routing is None:
-            return False
-        latest = self.routing.latest_layout
-        sizes_changed = self._batch_sizes is not None and latest.batch_sizes != self._batch_sizes
-        return latest.split != self._split or sizes_changed
+        return self.routing is not None and self.routing.latest_layout != self._layout_in_force()
 
-    def _learner_weights(self) -> Optional[Tensor]:
-        """``K p_i`` of the local learners when the step's batches differ in size (heterogeneous mode), else None."""
+    def _learner_weights(self, pending: bool = False) -> Optional[Tensor]:
+        """``K p_i`` of the local learners where the learners' samples since the last averaging differ (heterogeneous
+        mode: a short batch, or ranks' batch sizes that differ), else None. ``pending``: for the steps since the last
+        averaging, averaged before the learners change (all of them steps of full batches at the layout in force)."""
         if self.routing is None or not isinstance(self._grouped, RoutedBatchLoader):
             return None
-        weights = self.routing.learner_weights(self._grouped.current_group, self.period.steps_since - 1)
+        if pending:
+            weights = full_batch_weights(self._layout_in_force(), self.global_rank)
+        else:
+            weights = self.routing.learner_weights(self._grouped.current_group, self.period.steps_since - 1)
         if weights is None:
             return None
         return torch.tensor(weights, dtype=torch.float64, device=self.root_device)  # (each bucket takes its dtype)
@@ -1448,9 +1480,8 @@ class CrossbowStrategy(DDPStrategy):
 
     def _rebalance(self) -> None:
         """Ends the balancer's window: every rank moves to the same new split, if one pays, at the same group."""
-        assert self.balancer is not None and self.routing is not None
-        assert self._split is not None and self._batch_sizes is not None
-        current = Layout(self._split, self._batch_sizes)
+        assert self.balancer is not None and self.routing is not None and isinstance(self._grouped, RoutedBatchLoader)
+        current = self._layout_in_force()
         if self.routing.latest_layout != current:  # a change (the tuner's) is scheduled but not in force yet
             self.balancer.restart()
             return
@@ -1458,15 +1489,22 @@ class CrossbowStrategy(DDPStrategy):
         layout, first_free_group = self.balancer.rebalance(
             current, self.routing.batch_size, self._all_gather_rows, drawn, room
         )
-        if layout is None:
+        sampler = self._grouped.routed_sampler
+        if layout is None or sampler.groups_per_epoch(layout) == 0:  # (larger batches than an epoch has samples)
             return
         self.routing.schedule(layout.split, first_free_group, layout.batch_sizes)
         scaled = self.routing.latest_scaled_batch_sizes
-        self.balancer.history.append((self.lightning_module.trainer.global_step, layout.split, scaled))
+        trainer = self.lightning_module.trainer
+        self.balancer.history.append((trainer.global_step, layout.split, scaled))
+        if sampler.groups_per_epoch(layout) != sampler.groups_per_epoch(current):
+            self._epoch.k_changed(trainer, self.stack.num_replicas)  # (Lightning's count of the epoch's steps follows)
         models = ", ".join(
             f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} u" for m in self.balancer.step_times() or ()
         )
-        batches = f", per-replica batch sizes {current.batch_sizes} -> {layout.batch_sizes}" if scaled else ""
+        batches = ""
+        if layout.batch_sizes != current.batch_sizes:
+            batches = f", per-replica batch sizes {current.batch_sizes} -> {layout.batch_sizes}"
+            batches += f" ({sampler.skipped_samples()} samples an epoch fill no step)"
         rank_zero_info(
             f"crossbow: busy ms per step by rank (u: learners x batch / DataLoader's batch): {models}; learners per"
             f" rank {self._split} -> {layout.split}{batches} from group {first_free_group} of the data order."
@@ -1510,7 +1548,7 @@ class CrossbowStrategy(DDPStrategy):
         if self._step_started is None:
             return
         elapsed = time.perf_counter() - self._step_started
-        batch_size = self._batch_sizes[self.global_rank] if self._batch_sizes is not None else self._batch_size
+        batch_size = self._layout_in_force().batch_sizes[self.global_rank] if self.routing else self._batch_size
         if elapsed > 0 and batch_size:
             rate = self.replicas_per_device * batch_size / elapsed
             previous = self.samples_per_second
@@ -1864,7 +1902,7 @@ class CrossbowStrategy(DDPStrategy):
             return False
         batch_sizes = tuple(state["batch_sizes"]) if state.get("batch_sizes") else None
         self.routing.restart(split, batch_sizes)
-        self._split, self._batch_sizes = split, None  # (the batch sizes are read from the plan at the first step)
+        self._split, self._batch_sizes = split, batch_sizes
         if split[self.global_rank] != self.stack.num_replicas:
             self._resize_replicas(split[self.global_rank])
         assert self.balancer is not None
@@ -1876,6 +1914,8 @@ class CrossbowStrategy(DDPStrategy):
             # when its group arrives (on_train_batch_start).
             next_sizes = tuple(state["next_batch_sizes"]) if state.get("next_batch_sizes") else None
             self.routing.schedule(tuple(next_split), groups_before, next_sizes)
+            if next_sizes != batch_sizes:  # an epoch's steps change with the batch sizes: count each epoch's anew
+                self._epoch.follows_k = True
             self.balancer.history.append((0, tuple(next_split), next_sizes))
         return True
 

@@ -42,15 +42,17 @@ class Unsharded(L.LightningDataModule):
     """The whole dataset on every rank: Lightning's DistributedSampler shards (and shuffles) it, as with DDP;
     in heterogeneous mode crossbow routes it."""
 
-    def __init__(self, num_samples: int = 96, validate: bool = False, resumable: bool = False) -> None:
+    def __init__(
+        self, num_samples: int = 96, validate: bool = False, resumable: bool = False, batch_size: int = 8
+    ) -> None:
         super().__init__()
-        self.num_samples, self.resumable = num_samples, resumable
+        self.num_samples, self.resumable, self.batch_size = num_samples, resumable, batch_size
         if validate:  # 8 validation batches, which the ranks share as in plain Lightning
             self.val_dataloader = lambda: DataLoader(make_data(num_samples=64, seed=1), batch_size=8)
 
     def train_dataloader(self) -> DataLoader:
         return (ResumableLoader if self.resumable else DataLoader)(
-            make_data(num_samples=self.num_samples), batch_size=8
+            make_data(num_samples=self.num_samples), batch_size=self.batch_size
         )
 
 
@@ -253,6 +255,7 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float)
     parser.add_argument("--second-fit", action="store_true", help="fit once more, one epoch, with the same strategy")
     parser.add_argument("--uneven-datasets", action="store_true", help="rank 1's dataset is one batch shorter")
+    parser.add_argument("--uneven-batch-sizes", action="store_true", help="rank 1's DataLoader has batch_size=4")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--validate", action="store_true", help="validate on 8 batches after every epoch")
@@ -315,7 +318,12 @@ def main() -> None:
     )
     samples = args.samples - (8 if args.uneven_datasets and os.environ.get("LOCAL_RANK") == "1" else 0)
     datamodule = (
-        Unsharded(samples, args.validate, args.resumable_loader)
+        Unsharded(
+            samples,
+            args.validate,
+            args.resumable_loader,
+            batch_size=4 if args.uneven_batch_sizes and os.environ.get("LOCAL_RANK") == "1" else 8,
+        )
         if args.distributed_sampler or balancer is not None
         else Sharded()
     )

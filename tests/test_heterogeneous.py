@@ -378,28 +378,68 @@ def test_local_steps_on_devices_of_different_speed_keep_every_sample_once_and_th
 
 
 def reference_by_batch_sizes(
-    net: nn.Module, dataset: TensorDataset, steps: list[list[list[int]]], lr: float, eta: float
+    net: nn.Module, dataset: TensorDataset, steps: list[list[list[int]]], lr: float, eta: float, period: int = 1
 ) -> list[Tensor]:
-    """Averaging every step, written out over one common order (``shuffle=False``): ``steps[e][s]`` holds the batch
-    sizes of epoch ``e``'s step ``s``'s learners, which take the next samples of the order in turn; each takes one
-    SGD step from z, then ``z <- z + eta * sum_i p_i (w_i - z)`` with ``p_i = b_i / sum_j b_j``."""
+    """Scaled averaging with plain SGD, written out over one common order (``shuffle=False``): ``steps[e][s]`` holds
+    the batch sizes of epoch ``e``'s step ``s``'s learners, which take the next samples of the order in turn; each
+    takes one SGD step. The learners start at z after every averaging, which follows every ``period``-th step since
+    the last one and an epoch's last step, and comes before a step whose learners' full batch sizes differ from the
+    last step's: ``z <- z + eta * sum_i p_i (w_i - z)`` with ``p_i = b_i / sum_j b_j``, ``b_i`` learner ``i``'s
+    samples since the last averaging."""
     z = copy.deepcopy(net)
     x_all, y_all = dataset.tensors
+    learners: list[nn.Module] = []
+    samples: list[int] = []
+    last_sizes: list[int] = []
+
+    def average() -> None:
+        with torch.no_grad():
+            for index, p in enumerate(z.parameters()):
+                moves = [list(learner.parameters())[index] - p for learner in learners]
+                p += eta * sum(b / sum(samples) * move for b, move in zip(samples, moves))
+        learners.clear()
+
     for epoch_steps in steps:
         offset = 0
-        for sizes in epoch_steps:
-            moves = []
-            for size in sizes:
-                learner = copy.deepcopy(z)
+        for step, sizes in enumerate(epoch_steps):
+            full = [max(size, 8) for size in sizes]  # (only the epoch's last batch may be short, below 8)
+            if learners and full != last_sizes:
+                average()
+            if not learners:
+                learners[:], samples[:], taken = [copy.deepcopy(z) for _ in sizes], [0] * len(sizes), 0
+            last_sizes = full
+            for i, size in enumerate(sizes):
+                learners[i].zero_grad()
                 x, y = x_all[offset : offset + size], y_all[offset : offset + size]
                 offset += size
-                nn.functional.cross_entropy(learner(x), y).backward()
+                nn.functional.cross_entropy(learners[i](x), y).backward()
                 with torch.no_grad():
-                    moves.append([p - lr * p.grad - q for p, q in zip(learner.parameters(), z.parameters())])
-            with torch.no_grad():
-                for index, p in enumerate(z.parameters()):
-                    p += eta * sum(b / sum(sizes) * move[index] for b, move in zip(sizes, moves))
+                    for p in learners[i].parameters():
+                        p -= lr * p.grad
+                samples[i] += size
+            taken += 1
+            if taken == period or step == len(epoch_steps) - 1:
+                average()
     return [p.detach() for p in z.parameters()]
+
+
+def _steps_by_epoch(ranks: list[dict], per_step: list[list[int]], samples: int, epochs: int) -> list[list[list[int]]]:
+    """Each epoch's steps' learner batch sizes, having checked that the epoch trained on the first samples of the
+    order once each and that what is left fills no group of (13, 13, 13, 8), not even with a short last batch."""
+    dataset_inputs = make_data(num_samples=samples).tensors[0]
+    steps: list[list[list[int]]] = []
+    for epoch in range(epochs):
+        seen = torch.cat([ranks[0]["seen"][epoch], ranks[1]["seen"][epoch]])
+        matches = (seen.unsqueeze(1) == dataset_inputs.unsqueeze(0)).all(-1).sum(0)  # per sample of the order
+        trained = len(seen)
+        assert torch.equal(matches[:trained], torch.ones(trained, dtype=torch.long)) and not matches[trained:].any()
+        assert samples - trained < 3 * 13 + 1
+        steps.append([])
+        while sum(map(sum, steps[-1])) < trained:
+            steps[-1].append(per_step[sum(map(len, steps))])
+        assert sum(map(sum, steps[-1])) == trained
+    assert sum(map(len, steps)) == len(per_step)
+    return steps
 
 
 def _larger_batches_run(out: Path, *extra: str) -> list[dict]:
@@ -424,23 +464,54 @@ def test_a_rank_too_slow_to_balance_by_learners_hands_larger_batches_to_the_fast
     per_step = [a + b for a, b in zip(ranks[0]["batch_sizes"], ranks[1]["batch_sizes"], strict=True)]
     assert {tuple(sizes) for sizes in per_step} >= {(8, 8, 8, 8), (13, 13, 13, 8)}
     dataset = make_data(num_samples=samples)
-    steps: list[list[list[int]]] = []
-    for epoch in range(epochs):
-        seen = torch.cat([ranks[0]["seen"][epoch], ranks[1]["seen"][epoch]])
-        matches = (seen.unsqueeze(1) == dataset.tensors[0].unsqueeze(0)).all(-1).sum(0)  # per sample of the order
-        trained = len(seen)
-        assert torch.equal(matches[:trained], torch.ones(trained, dtype=torch.long)) and not matches[trained:].any()
-        assert samples - trained < 3 * 13 + 1  # what is left fills no group of (13, 13, 13, 8) but a short last one
-        steps.append([])
-        while sum(map(sum, steps[-1])) < trained:
-            steps[-1].append(per_step[sum(map(len, steps))])
-        assert sum(map(sum, steps[-1])) == trained
-    assert sum(map(len, steps)) == len(per_step)
+    steps = _steps_by_epoch(ranks, per_step, samples, epochs)
     for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
         assert torch.equal(a, b)
     expected = reference_by_batch_sizes(make_net(), dataset, steps, lr=0.1, eta=2.0)
     for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
         torch.testing.assert_close(actual, wanted)
+
+
+def test_larger_batches_keep_lightnings_epoch_length_validation_and_the_local_steps_weights(tmp_path: Path) -> None:
+    """Validation after every epoch while the epochs' steps change with the batch sizes (6 a step at (8, 8, 8, 8),
+    4 at (13, 13, 13, 8)): Lightning's count of each epoch's steps follows, so each epoch ends and validates.
+    With averaging_period=2, the steps since the last averaging are averaged where the layout changes (the balancer's
+    larger batches; k=3 per device asked for after step 8, which the balancer then splits and sizes anew), each
+    learner weighed by its samples (13 or 8 a step), and the values are the reference's."""
+    epochs, samples = 4, 188
+    ranks = _larger_batches_run(
+        tmp_path / "run", "--epochs", str(epochs), "--validate", "--averaging-period", "2", "--change-k-at", "8:3"
+    )
+    assert ranks[0]["validation_batches"] == ranks[1]["validation_batches"] == epochs * 8  # (8 batches on each rank)
+    per_step = [a + b for a, b in zip(ranks[0]["batch_sizes"], ranks[1]["batch_sizes"], strict=True)]
+    steps = _steps_by_epoch(ranks, per_step, samples, epochs)
+    for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
+        assert torch.equal(a, b)
+    expected = reference_by_batch_sizes(make_net(), make_data(num_samples=samples), steps, lr=0.1, eta=2.0, period=2)
+    for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
+        torch.testing.assert_close(actual, wanted)
+
+
+def test_ranks_whose_loaders_batch_differently_fail_before_training(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--heterogeneous", "1,1", "--samples", "96", "--uneven-batch-sizes")
+    assert result.returncode != 0
+    assert "needs the same batch_size and drop_last" in result.stderr
+    assert "(batch_size, drop_last) = [(8, False), (4, False)]" in result.stderr
+    assert not list(tmp_path.glob("rank*.pt"))  # no rank trained
+
+
+def test_a_loader_whose_batch_size_is_given_by_position_is_routed() -> None:
+    """``DataLoader(dataset, 8)`` made in ``train_dataloader``: re-made over the routed batches all the same."""
+
+    class PositionalLoader(Classifier):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(make_data(num_samples=64), 8)
+
+    model = PositionalLoader(lr=0.1)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, heterogeneous=True), max_epochs=1)
+    fit.fit(model)
+    assert fit.global_step == 4 and fit.train_dataloader.batch_size == 8
 
 
 def test_a_resume_carries_on_the_larger_batches_exactly(tmp_path: Path, larger_batches: list[dict]) -> None:
