@@ -153,6 +153,14 @@ class RoutingPlan:
         if batch_sizes is not None:
             self.schedule(split, 0, batch_sizes)
 
+    def scaled_batch_sizes(self) -> list[Split]:
+        """The batch sizes of every entry that are not all the DataLoader's."""
+        return [sizes for sizes in self._batch_sizes if sizes is not None]
+
+    def forget_batch_sizes(self) -> None:
+        """Every entry back at the DataLoader's batch size on every rank."""
+        self._batch_sizes = [None] * len(self._batch_sizes)
+
     def learner_weights(self, group: int, full_groups_before: int = 0) -> Optional[list[float]]:
         """``K p_i`` for this rank's learners of ``group``, with ``p_i = b_i / sum_j b_j`` over all ``K``
         learners (Adaptive SGD's normalized merging) and ``b_i`` learner ``i``'s samples since the last
@@ -177,6 +185,13 @@ def full_batch_weights(layout: Layout, rank: int) -> Optional[list[float]]:
     num_learners = sum(layout.split)
     total = sum(k * b for k, b in zip(layout.split, layout.batch_sizes))
     return [num_learners * layout.batch_sizes[rank] / total] * layout.split[rank]
+
+
+def skips_too_much(sampler: RoutedBatchSampler, layout: Layout, current: Layout) -> bool:
+    """Whether ``layout`` would leave more than a tenth of an epoch's samples out of its groups (none at all when
+    its batches are larger than the epoch), and more than ``current`` does."""
+    skipped = sampler.skipped_samples(layout)
+    return skipped * 10 > sampler.samples_per_epoch() and skipped > sampler.skipped_samples(current)
 
 
 def group_fits(samples_left: int, learner_sizes: Sequence[int], drop_last: bool) -> bool:
@@ -220,9 +235,9 @@ class RoutedBatchSampler(BatchSampler):
         """Groups of one epoch at ``layout`` (default: the latest split and batch sizes)."""
         return len(self._group_samples(layout or self.plan.latest_layout))
 
-    def skipped_samples(self) -> int:
-        """Samples at the end of each epoch that fill no group at the latest layout."""
-        return self.samples_per_epoch() - sum(self._group_samples(self.plan.latest_layout))
+    def skipped_samples(self, layout: Optional[Layout] = None) -> int:
+        """Samples at the end of each epoch that fill no group at ``layout`` (default: the latest)."""
+        return self.samples_per_epoch() - sum(self._group_samples(layout or self.plan.latest_layout))
 
     def _group_samples(self, layout: Layout) -> list[int]:
         """The samples of each of an epoch's groups at ``layout`` (the last one short where it keeps a short batch)."""

@@ -16,6 +16,7 @@ checks before training. The pieces it wires together:
 from __future__ import annotations
 
 import atexit
+import inspect
 import math
 import os
 import time
@@ -111,6 +112,7 @@ from lightning_crossbow.routing import (
     RoutingPlan,
     Split,
     full_batch_weights,
+    skips_too_much,
     why_unroutable,
 )
 from lightning_crossbow.sigterm import SigtermVote
@@ -268,6 +270,7 @@ class CrossbowStrategy(DDPStrategy):
         self.routing: Optional[RoutingPlan] = None
         self._split: Optional[Split] = None  # the learners per rank at the step in progress
         self._batch_sizes: Optional[Split] = None  # and each rank's per-replica batch size (None: the DataLoader's)
+        self._restored_batch_base: Optional[int] = None  # the DataLoader batch size a checkpoint's were sized for
 
         self.stack: Optional[ReplicaStack] = None
         self.engine: Optional[Engine] = None
@@ -606,8 +609,8 @@ class CrossbowStrategy(DDPStrategy):
                 f" replicas_per_device={most}, or give the loader more batches (a smaller batch size)."
             )
         dropped = grouped.dropped_batches()
-        if self.routing is not None and dropped:
-            sampler = routed.routed_sampler
+        if isinstance(grouped, RoutedBatchLoader) and dropped:
+            sampler = grouped.routed_sampler
             rank_zero_warn(
                 f"crossbow: the training DataLoader has {sampler.samples_per_epoch()} samples; the last"
                 f" {sampler.skipped_samples()} of every epoch's common order do not fill a step of {per_step}"
@@ -648,7 +651,7 @@ class CrossbowStrategy(DDPStrategy):
         seed = sampler.seed if injected else int(os.getenv("PL_GLOBAL_SEED", 0))  # (the seed Lightning's takes)
         shuffle = sampler.shuffle if injected else isinstance(sampler, RandomSampler)
         length = len(dataloader.dataset) if problem is None else None  # type: ignore[attr-defined]
-        batches = (getattr(dataloader, "batch_size", None), getattr(dataloader, "drop_last", None))
+        batches = (getattr(dataloader, "batch_size", None), getattr(dataloader, "drop_last", None), shuffle)
         # every rank learns of any rank's problem: none is left waiting in a collective
         ranks = self._gather_objects((problem, length, seed, batches))
         problems = [p for p, *_ in ranks if p is not None]
@@ -666,17 +669,19 @@ class CrossbowStrategy(DDPStrategy):
         if len({b for *_, b in ranks}) > 1:
             raise ValueError(
                 "crossbow: heterogeneous=True cuts one common order into the same groups on every rank, so every"
-                " rank's training DataLoader needs the same batch_size and drop_last (the balancer gives faster ranks"
-                f" larger batches itself: SpeedBalancer(max_batch_scale=...)); the ranks have (batch_size, drop_last)"
-                f" = {[b for *_, b in ranks]}."
+                " rank's training DataLoader needs the same batch_size, drop_last and shuffle (the balancer gives"
+                " faster ranks larger batches itself: SpeedBalancer(max_batch_scale=...)); the ranks have (batch_size,"
+                f" drop_last, shuffle) = {[b for *_, b in ranks]}."
             )
         assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
         order = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
         routed = RoutedBatchSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
+        self._check_restored_batch_sizes()
         # the user's loader (its workers, collate_fn, pin_memory...) made again over the routed batches
         args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, order, mode=RunningStage.TRAINING)
         names = getattr(dataloader, "__pl_saved_arg_names", ())  # (arguments given by position, as DataLoader(d, 64))
-        if len(names) == len(args):
+        parameters = inspect.signature(type(dataloader).__init__).parameters.values()
+        if len(names) == len(args) and all(p.kind is not p.VAR_POSITIONAL for p in parameters):
             args, kwargs = (), {**dict(zip(names, args)), **kwargs}
         kwargs.update(sampler=None, shuffle=False, batch_sampler=routed, batch_size=1, drop_last=False)
         return RoutedBatchLoader(_reinstantiate_wrapped_cls(dataloader, *args, **kwargs), routed)
@@ -1408,6 +1413,25 @@ class CrossbowStrategy(DDPStrategy):
         pool = self._stream_pool()
         return pool.on_sync_stream() if pool is not None and self.engine.uses_streams else nullcontext()
 
+    def _check_restored_batch_sizes(self) -> None:
+        """A resume carries on the checkpoint's larger batches only with the DataLoader's batch size they were sized
+        for and within this balancer's ``max_batch_scale``; else its learners start at the DataLoader's batch size."""
+        assert self.routing is not None and self.balancer is not None
+        base, self._restored_batch_base = self._restored_batch_base, None
+        sizes = self.routing.scaled_batch_sizes()
+        if not sizes:
+            return
+        most = math.floor(self.balancer.max_batch_scale * self.routing.batch_size + 1e-9)
+        if base == self.routing.batch_size and max(max(entry) for entry in sizes) <= most:
+            return
+        self.routing.forget_batch_sizes()
+        self._batch_sizes = None
+        rank_zero_warn(
+            f"crossbow: the checkpoint's per-replica batch sizes {sizes[0]} were sized for a DataLoader batch size of"
+            f" {base}; here it is {self.routing.batch_size} with max_batch_scale={self.balancer.max_batch_scale}, so"
+            " every learner starts at the DataLoader's batch size and the balancer sizes them again."
+        )
+
     def _layout_in_force(self) -> Layout:
         """Heterogeneous mode: the learners per rank and their per-replica batch sizes at the step in progress (the
         last one; before a fit's first step, the checkpoint's or the first)."""
@@ -1490,14 +1514,14 @@ class CrossbowStrategy(DDPStrategy):
             current, self.routing.batch_size, self._all_gather_rows, drawn, room
         )
         sampler = self._grouped.routed_sampler
-        if layout is None or sampler.groups_per_epoch(layout) == 0:  # (larger batches than an epoch has samples)
+        if layout is None or skips_too_much(sampler, layout, current):
             return
         self.routing.schedule(layout.split, first_free_group, layout.batch_sizes)
         scaled = self.routing.latest_scaled_batch_sizes
         trainer = self.lightning_module.trainer
         self.balancer.history.append((trainer.global_step, layout.split, scaled))
-        if sampler.groups_per_epoch(layout) != sampler.groups_per_epoch(current):
-            self._epoch.k_changed(trainer, self.stack.num_replicas)  # (Lightning's count of the epoch's steps follows)
+        assert self.stack is not None
+        self._epoch.k_changed(trainer, self.stack.num_replicas)  # (Lightning's count of the epoch's steps follows)
         models = ", ".join(
             f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} u" for m in self.balancer.step_times() or ()
         )
@@ -1734,6 +1758,7 @@ class CrossbowStrategy(DDPStrategy):
             # each rank's per-replica batch size, where the balancer gave some ranks larger ones (max_batch_scale),
             # now and in the change scheduled
             "batch_sizes": self._scaled_batch_sizes(),
+            "batch_sizes_of_loader": self.routing.batch_size if self.routing is not None else None,
             "next_batch_sizes": self.routing.latest_scaled_batch_sizes if self._layout_change_scheduled() else None,
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
@@ -1901,8 +1926,12 @@ class CrossbowStrategy(DDPStrategy):
         if sum(split) != self.num_learners and not self._carries_on_the_k_of(state):
             return False
         batch_sizes = tuple(state["batch_sizes"]) if state.get("batch_sizes") else None
+        self._restored_batch_base = state.get("batch_sizes_of_loader")
         self.routing.restart(split, batch_sizes)
         self._split, self._batch_sizes = split, batch_sizes
+        # Lightning may have counted the epoch's steps at an even split already (a loader made in configure_optimizers,
+        # for estimated_stepping_batches): each epoch's count follows the restored learners and batch sizes
+        self._epoch.follows_k = True
         if split[self.global_rank] != self.stack.num_replicas:
             self._resize_replicas(split[self.global_rank])
         assert self.balancer is not None
@@ -1914,8 +1943,6 @@ class CrossbowStrategy(DDPStrategy):
             # when its group arrives (on_train_batch_start).
             next_sizes = tuple(state["next_batch_sizes"]) if state.get("next_batch_sizes") else None
             self.routing.schedule(tuple(next_split), groups_before, next_sizes)
-            if next_sizes != batch_sizes:  # an epoch's steps change with the batch sizes: count each epoch's anew
-                self._epoch.follows_k = True
             self.balancer.history.append((0, tuple(next_split), next_sizes))
         return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Collection
 from itertools import islice
 from pathlib import Path
@@ -16,6 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 
 from lightning_crossbow import CrossbowStrategy, SpeedBalancer
 from lightning_crossbow.balancing import StepTime, fill_batches, split_learners, step_seconds
+from lightning_crossbow.data import RoutedBatchLoader
 from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan
 from tests.helpers import Classifier, loader, make_data, make_net, trainer
 from tests.test_multiprocess import ANY_LAUNCHER, _run
@@ -485,6 +487,12 @@ def test_larger_batches_keep_lightnings_epoch_length_validation_and_the_local_st
     assert ranks[0]["validation_batches"] == ranks[1]["validation_batches"] == epochs * 8  # (8 batches on each rank)
     per_step = [a + b for a, b in zip(ranks[0]["batch_sizes"], ranks[1]["batch_sizes"], strict=True)]
     steps = _steps_by_epoch(ranks, per_step, samples, epochs)
+    # the change of k came an odd number of steps into a run of larger batches: steps were pending at it
+    epoch, change = next(
+        (e, i) for e, epoch_steps in enumerate(steps) for i, s in enumerate(epoch_steps) if len(s) == 6
+    )
+    before = list(itertools.takewhile(lambda sizes: sizes == [13, 13, 13, 8], reversed(steps[epoch][:change])))
+    assert len(before) % 2 == 1
     for a, b in zip(ranks[0]["z"], ranks[1]["z"], strict=True):
         assert torch.equal(a, b)
     expected = reference_by_batch_sizes(make_net(), make_data(num_samples=samples), steps, lr=0.1, eta=2.0, period=2)
@@ -496,8 +504,8 @@ def test_ranks_whose_loaders_batch_differently_fail_before_training(tmp_path: Pa
     tmp_path.mkdir(exist_ok=True)
     result = _run(tmp_path, ANY_LAUNCHER, "2", "--heterogeneous", "1,1", "--samples", "96", "--uneven-batch-sizes")
     assert result.returncode != 0
-    assert "needs the same batch_size and drop_last" in result.stderr
-    assert "(batch_size, drop_last) = [(8, False), (4, False)]" in result.stderr
+    assert "needs the same batch_size, drop_last and shuffle" in result.stderr
+    assert "(batch_size, drop_last, shuffle) = [(8, False, False), (4, False, False)]" in result.stderr
     assert not list(tmp_path.glob("rank*.pt"))  # no rank trained
 
 
@@ -511,6 +519,7 @@ def test_a_loader_whose_batch_size_is_given_by_position_is_routed() -> None:
     model = PositionalLoader(lr=0.1)
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, heterogeneous=True), max_epochs=1)
     fit.fit(model)
+    assert isinstance(fit.train_dataloader, RoutedBatchLoader)
     assert fit.global_step == 4 and fit.train_dataloader.batch_size == 8
 
 
@@ -525,6 +534,23 @@ def test_a_resume_carries_on_the_larger_batches_exactly(tmp_path: Path, larger_b
         assert resumed[rank]["batch_sizes"] == larger_batches[rank]["batch_sizes"][-steps:]
         for x, y in zip(larger_batches[rank]["z"], resumed[rank]["z"], strict=True):
             assert torch.equal(x, y)
+    # Resumed with the training loader made in configure_optimizers (estimated_stepping_batches), before the
+    # restore: Lightning's count of each epoch's steps follows the restored batch sizes, so every epoch validates.
+    counted = _larger_batches_run(
+        tmp_path / "counted", "--epochs", "4", "--resume", checkpoint, "--reads-estimated-steps", "--validate"
+    )
+    assert counted[0]["validation_batches"] == 2 * 8 and counted[0]["batch_sizes"] == resumed[0]["batch_sizes"]
+    # Resumed where larger batches are not allowed (max_batch_scale=1): the learners start at the DataLoader's batch.
+    out = tmp_path / "not_allowed"
+    out.mkdir()
+    result = _run(
+        out, ANY_LAUNCHER, "2", "--heterogeneous", "1,5", "--samples", "188", "--epochs", "4", "--resume", checkpoint,
+        "--max-batch-scale", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    warned = torch.load(out / "rank0_warnings.pt")
+    assert any("per-replica batch sizes (13, 8) were sized for a DataLoader batch size of 8" in w for w in warned)
+    assert torch.load(out / "rank0.pt")["batch_sizes"][0] == [8, 8, 8]
 
 
 def test_a_loader_made_in_configure_optimizers_is_routed_too(tmp_path: Path, four_epochs: list[dict]) -> None:
