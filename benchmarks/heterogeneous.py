@@ -54,6 +54,7 @@ QUICK = False  # --quick, passed on to every phase
 REPLICAS = 6  # --replicas, passed on to every phase
 PERIOD = 1  # --averaging-period, passed on to every phase
 MAX_BATCH_SCALE = 1.0  # --max-batch-scale, passed on to every phase
+LR_FOLLOWS_BATCH = False  # --lr-follows-batch, passed on to every phase
 
 
 class Throttle(L.Callback):
@@ -107,7 +108,11 @@ def balance_bound(split: list[int], batch_sizes: list[int], models_ms: list[tupl
 
 
 def _strategy(mode: str, k: int) -> CrossbowStrategy:
-    balancer = SpeedBalancer(max_batch_scale=MAX_BATCH_SCALE) if mode == "heterogeneous" else False
+    balancer = (
+        SpeedBalancer(max_batch_scale=MAX_BATCH_SCALE, lr_follows_batch=LR_FOLLOWS_BATCH)
+        if mode == "heterogeneous"
+        else False
+    )
     return CrossbowStrategy(k, heterogeneous=balancer, averaging_period=PERIOD)
 
 
@@ -158,6 +163,7 @@ def accuracy_phase(mode: str, k: int, seed: int, max_epochs: int) -> dict[str, A
 def _start(out: Path, *phase: str, throttle: bool = True) -> subprocess.Popen:
     command = [sys.executable, __file__, "--phase", *phase, "--result", str(out), "--replicas", str(REPLICAS)]
     command += ["--averaging-period", str(PERIOD), "--max-batch-scale", str(MAX_BATCH_SCALE)]
+    command += ["--lr-follows-batch"] if LR_FOLLOWS_BATCH else []
     command += ["--quick"] if QUICK else []
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["CROSSBOW_BENCH_BATCH"] = str(BATCH)
@@ -193,15 +199,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per-replica batch size")
     parser.add_argument("--averaging-period", type=int, default=1, help="optimizer steps between two averagings")
     parser.add_argument("--max-batch-scale", type=float, default=1.0, help="SpeedBalancer's, heterogeneous mode's")
+    parser.add_argument("--lr-follows-batch", action="store_true", help="SpeedBalancer's: lr x b_r / b")
     parser.add_argument("--throughput-only", action="store_true", help="skip the time-to-accuracy runs")
     parser.add_argument("--repeats", type=int, help="throughput repetitions (default 3; 1 with --quick)")
     parser.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="default: benchmarks/out/heterogeneous.json (out/quick/ with --quick)")
     args = parser.parse_args()
-    global BATCH, QUICK, REPLICAS, PERIOD, MAX_BATCH_SCALE
+    global BATCH, QUICK, REPLICAS, PERIOD, MAX_BATCH_SCALE, LR_FOLLOWS_BATCH
     BATCH = args.batch_size if not args.phase else BATCH
     QUICK, REPLICAS, PERIOD, MAX_BATCH_SCALE = args.quick, args.replicas, args.averaging_period, args.max_batch_scale
+    LR_FOLLOWS_BATCH = args.lr_follows_batch
     k = args.replicas
     steps, warmup = (60, 80) if args.quick else (150, 80)  # the warm-up covers the balancer settling (3-4 windows)
     if args.phase:  # inside one launch
@@ -281,6 +289,8 @@ def main() -> None:
         command += f" --averaging-period {args.averaging_period}"
     if args.max_batch_scale != 1:
         command += f" --max-batch-scale {args.max_batch_scale:g}"
+    if args.lr_follows_batch:
+        command += " --lr-follows-batch"
     if args.throughput_only:
         command += " --throughput-only"
     if args.repeats:
@@ -291,6 +301,7 @@ def main() -> None:
         replicas_per_device=k,
         averaging_period=PERIOD,
         max_batch_scale=MAX_BATCH_SCALE,
+        lr_follows_batch=LR_FOLLOWS_BATCH,
         batch_size=BATCH,
         slowdown=SLOWDOWN,
         timed_steps=steps,

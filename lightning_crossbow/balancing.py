@@ -150,6 +150,9 @@ class SpeedBalancer:
             the learners cannot balance the ranks, the faster ranks' learners take larger batches (Adaptive SGD)
             instead of waiting; their samples weigh in z's update by their number. Each learner's activations
             grow with its batch: the value bounds what the device's memory must hold.
+        lr_follows_batch: with larger batches, whether a learner of ``s`` times the DataLoader's batch steps at ``s``
+            times the learning rate (Adaptive SGD's ``lr_i = lr b_i / b``, the linear scaling rule), during its local
+            optimizer step only; otherwise every learner keeps the user's learning rate.
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class SpeedBalancer:
         remember: int = 3,
         clock: Callable[[], float] = time.perf_counter,
         max_batch_scale: float = 1.0,
+        lr_follows_batch: bool = False,
     ) -> None:
         check_int("every", every, note=" (steps per window)")
         check_real("max_batch_scale", max_batch_scale, ">= 1 (times the DataLoader's batch size)", lambda v: v >= 1.0)
@@ -170,6 +174,9 @@ class SpeedBalancer:
         self.remember = remember
         self.clock = clock
         self.max_batch_scale = float(max_batch_scale)
+        if not isinstance(lr_follows_batch, bool):
+            raise ValueError(f"lr_follows_batch must be True or False, got {lr_follows_batch!r}.")
+        self.lr_follows_batch = lr_follows_batch
         self._busy_since: Optional[float] = None
         self._window: list[float] = []  # this rank's busy seconds, one per step
         #: Per rank, measured busy seconds per step by learner-batches u (insertion order: oldest first).

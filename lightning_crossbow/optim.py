@@ -9,7 +9,8 @@ within a tensor (LBFGS, LARS, LAMB, Shampoo, Adafactor, ...) would mix replicas 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -275,3 +276,20 @@ def clip_grad_norm_per_replica_(params: Iterable[Tensor], max_norm: float, norm_
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(grads, [scale.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for g in grads])
     return norms
+
+
+@contextmanager
+def learning_rates_scaled(optimizer: Optimizer, factor: float) -> Iterator[None]:
+    """Inside the block every param group's ``lr`` is ``factor`` times its own; after it, each is the value it had
+    before (a learning-rate scheduler's, untouched). ``factor == 1`` changes nothing."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr

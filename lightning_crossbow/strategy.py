@@ -90,6 +90,7 @@ from lightning_crossbow.optim import (
     central_state_over_ranks,
     check_elementwise,
     clip_grad_norm_per_replica_,
+    learning_rates_scaled,
     repoint_to_stack,
     reset_state_rows_,
     resize_stacked_state_,
@@ -541,7 +542,13 @@ class CrossbowStrategy(DDPStrategy):
             "reset_on_lr_drop": self.reset_on_lr_drop,
             "heterogeneous": None
             if self.balancer is None
-            else (self.balancer.every, self.balancer.min_gain, self.balancer.remember, self.balancer.max_batch_scale),
+            else (
+                self.balancer.every,
+                self.balancer.min_gain,
+                self.balancer.remember,
+                self.balancer.max_batch_scale,
+                self.balancer.lr_follows_batch,
+            ),
         }
         configs = self._gather_objects(config)
         differing = [key for key in config if any(c[key] != config[key] for c in configs)]
@@ -1222,13 +1229,21 @@ class CrossbowStrategy(DDPStrategy):
                 self.averaging.before_local_step(self.stack.buckets, self.num_learners)
             return result
 
-        output = self.precision_plugin.optimizer_step(
-            optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
-        )
+        with learning_rates_scaled(optimizer, self._learning_rate_scale()):
+            output = self.precision_plugin.optimizer_step(
+                optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
+            )
         if held is not None:
             held.restore_()
         self._gradients_pending = False
         return output
+
+    def _learning_rate_scale(self) -> float:
+        """``b_r / b`` for this rank's learners where the balancer gave them larger batches and their learning rate
+        follows (``SpeedBalancer(lr_follows_batch=True)``), else 1."""
+        if self.routing is None or self.balancer is None or not self.balancer.lr_follows_batch:
+            return 1.0
+        return self._layout_in_force().batch_sizes[self.global_rank] / self.routing.batch_size
 
     def _rows_out_of_the_step(self) -> list[tuple[Tensor, Tensor]]:
         """The rows of each stacked parameter that the optimizer step leaves as they are: every row of a replica

@@ -264,12 +264,15 @@ def main() -> None:
     parser.add_argument("--finetune", action="store_true", help="BackboneFinetuning: net.0 frozen until epoch 1")
     parser.add_argument("--averaging-period", type=int, default=1, help="optimizer steps between two averagings")
     parser.add_argument("--max-batch-scale", type=float, default=1.0, help="SpeedBalancer's (with --heterogeneous)")
+    parser.add_argument("--lr-follows-batch", action="store_true", help="SpeedBalancer's (with --heterogeneous)")
     args = parser.parse_args()
     callbacks: list[L.Callback] = [SaveFinalState(args.out)]
     balancer = None
     if args.heterogeneous:
         clock = VirtualClock()
-        balancer = SpeedBalancer(every=2, clock=clock, max_batch_scale=args.max_batch_scale)
+        balancer = SpeedBalancer(
+            every=2, clock=clock, max_batch_scale=args.max_batch_scale, lr_follows_batch=args.lr_follows_batch
+        )
         cost = float(args.heterogeneous.split(",")[int(os.environ.get("LOCAL_RANK", 0))])
         callbacks.append(SimulatedDeviceSpeed(clock, cost))
     if args.checkpoint_dir:

@@ -18,6 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 from lightning_crossbow import CrossbowStrategy, SpeedBalancer
 from lightning_crossbow.balancing import StepTime, fill_batches, split_learners, step_seconds
 from lightning_crossbow.data import RoutedBatchLoader
+from lightning_crossbow.optim import learning_rates_scaled
 from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan
 from tests.helpers import Classifier, loader, make_data, make_net, trainer
 from tests.test_multiprocess import ANY_LAUNCHER, _run
@@ -380,14 +381,21 @@ def test_local_steps_on_devices_of_different_speed_keep_every_sample_once_and_th
 
 
 def reference_by_batch_sizes(
-    net: nn.Module, dataset: TensorDataset, steps: list[list[list[int]]], lr: float, eta: float, period: int = 1
+    net: nn.Module,
+    dataset: TensorDataset,
+    steps: list[list[list[int]]],
+    lr: float,
+    eta: float,
+    period: int = 1,
+    lr_follows_batch: bool = False,
 ) -> list[Tensor]:
     """Scaled averaging with plain SGD, written out over one common order (``shuffle=False``): ``steps[e][s]`` holds
     the batch sizes of epoch ``e``'s step ``s``'s learners, which take the next samples of the order in turn; each
     takes one SGD step. The learners start at z after every averaging, which follows every ``period``-th step since
     the last one and an epoch's last step, and comes before a step whose learners' full batch sizes differ from the
     last step's: ``z <- z + eta * sum_i p_i (w_i - z)`` with ``p_i = b_i / sum_j b_j``, ``b_i`` learner ``i``'s
-    samples since the last averaging."""
+    samples since the last averaging. ``lr_follows_batch``: a learner whose full batch is ``B`` steps at
+    ``lr * B / 8``."""
     z = copy.deepcopy(net)
     x_all, y_all = dataset.tensors
     learners: list[nn.Module] = []
@@ -417,7 +425,7 @@ def reference_by_batch_sizes(
                 nn.functional.cross_entropy(learners[i](x), y).backward()
                 with torch.no_grad():
                     for p in learners[i].parameters():
-                        p -= lr * p.grad
+                        p -= (lr * full[i] / 8 if lr_follows_batch else lr) * p.grad
                 samples[i] += size
             taken += 1
             if taken == period or step == len(epoch_steps) - 1:
@@ -521,6 +529,34 @@ def test_a_loader_whose_batch_size_is_given_by_position_is_routed() -> None:
     fit.fit(model)
     assert isinstance(fit.train_dataloader, RoutedBatchLoader)
     assert fit.global_step == 4 and fit.train_dataloader.batch_size == 8
+
+
+def test_with_lr_follows_batch_a_larger_batch_steps_at_a_larger_learning_rate(tmp_path: Path) -> None:
+    """Adaptive SGD's lr_i = lr b_i / b: rank 0's learners at 13 samples step at 13/8 of the learning rate, rank 1's
+    at 8 at the learning rate; z is the reference's, and not the one at the user's learning rate everywhere."""
+    epochs, samples = 4, 188
+    ranks = _larger_batches_run(tmp_path / "run", "--epochs", str(epochs), "--lr-follows-batch")
+    per_step = [a + b for a, b in zip(ranks[0]["batch_sizes"], ranks[1]["batch_sizes"], strict=True)]
+    steps = _steps_by_epoch(ranks, per_step, samples, epochs)
+    dataset = make_data(num_samples=samples)
+    expected = reference_by_batch_sizes(make_net(), dataset, steps, lr=0.1, eta=2.0, lr_follows_batch=True)
+    for actual, wanted in zip(ranks[0]["z"], expected, strict=True):
+        torch.testing.assert_close(actual, wanted)
+    at_the_users_lr = reference_by_batch_sizes(make_net(), dataset, steps, lr=0.1, eta=2.0)
+    assert not all(torch.allclose(a, b) for a, b in zip(ranks[0]["z"], at_the_users_lr))
+
+
+def test_learning_rates_scaled_inside_the_block_only() -> None:
+    """Each param group's own lr times the factor inside, the values from before after (also after an error)."""
+    optimizer = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))], "lr": 0.25}, {"params": [], "lr": 0.5}])
+    with learning_rates_scaled(optimizer, 1.5):
+        assert [group["lr"] for group in optimizer.param_groups] == [0.375, 0.75]
+    assert [group["lr"] for group in optimizer.param_groups] == [0.25, 0.5]
+    with pytest.raises(RuntimeError, match="inside"), learning_rates_scaled(optimizer, 2.0):
+        raise RuntimeError("inside")
+    assert [group["lr"] for group in optimizer.param_groups] == [0.25, 0.5]
+    with pytest.raises(ValueError, match="lr_follows_batch must be True or False, got 'yes'"):
+        SpeedBalancer(lr_follows_batch="yes")  # type: ignore[arg-type]
 
 
 def test_a_resume_carries_on_the_larger_batches_exactly(tmp_path: Path, larger_batches: list[dict]) -> None:
