@@ -270,6 +270,19 @@ def test_one_process_heterogeneous_mode_gives_the_uniform_paths_values() -> None
         assert torch.equal(a, b)
 
 
+def test_a_loader_with_workers_is_routed_as_one_without() -> None:
+    """The routed batch sampler draws in the training process and hands each worker a batch's indices: a loader
+    with a worker process trains on the same batches as one without, bitwise."""
+    results = []
+    for workers in (0, 1):
+        model = Classifier(lr=0.1)
+        strategy = CrossbowStrategy(replicas_per_device=3, heterogeneous=True)
+        trainer(strategy=strategy, max_epochs=2).fit(model, loader(make_data(num_samples=92), num_workers=workers))
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_short_last_batch_weighs_by_its_samples() -> None:
     """92 samples: the last batch has 4 of 8. z's update weighs it by 4/28 of the last step's samples."""
     dataset = make_data(num_samples=92)
