@@ -48,6 +48,8 @@ class EpochCounts:
         self.train_fraction: Optional[float] = None
         #: Whether each epoch's length is counted again as it starts (Lightning counted it at another k).
         self.follows_k = False
+        #: Whether the next batch's epoch is counted again, wherever it starts (a resume's restored layout).
+        self.recount_at_next_batch = False
         #: Whether k changed in this epoch (then a fractional ``val_check_interval`` is timed by batches).
         self.k_changed_in_epoch = False
         #: Whether a step of crossbow's groups has started in this fit.
@@ -101,7 +103,8 @@ class EpochCounts:
         if batch_idx == 0:
             self.k_changed_in_epoch = False
             self.checks_done = self.checks_if_validated = 0
-        if (batch_idx == 0 and self.follows_k) or self.resumed_mid_pass():
+        if (batch_idx == 0 and self.follows_k) or self.recount_at_next_batch or self.resumed_mid_pass():
+            self.recount_at_next_batch = False
             self.fit_epoch_length(trainer, k)  # Lightning counted the epoch's steps at another k
         self.in_a_step = in_a_step
         if self.times_validation_by_batches(trainer, k) and in_a_step:

@@ -1945,8 +1945,9 @@ class CrossbowStrategy(DDPStrategy):
         self.routing.restart(split, batch_sizes)
         self._split, self._batch_sizes = split, batch_sizes
         # Lightning may have counted the epoch's steps at an even split already (a loader made in configure_optimizers,
-        # for estimated_stepping_batches): each epoch's count follows the restored learners and batch sizes
-        self._epoch.follows_k = True
+        # for estimated_stepping_batches): each epoch's count follows the restored learners and batch sizes, the
+        # resumed one's too, also where it resumes in its middle
+        self._epoch.follows_k = self._epoch.recount_at_next_batch = True
         if split[self.global_rank] != self.stack.num_replicas:
             self._resize_replicas(split[self.global_rank])
         assert self.balancer is not None

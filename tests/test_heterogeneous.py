@@ -602,6 +602,22 @@ def test_a_resume_carries_on_the_larger_batches_exactly(tmp_path: Path, larger_b
     assert torch.load(out / "rank0.pt")["batch_sizes"][0] == [8, 8, 8]
 
 
+def test_a_mid_epoch_resume_counts_the_epoch_at_the_restored_batch_sizes(tmp_path: Path) -> None:
+    """Saved at step 7, within epoch 1 (4 steps an epoch at (13, 13, 13, 8)) and resumed: the epoch's steps left are
+    counted at the restored layout, also where the loader was made in configure_optimizers, before the restore
+    (Lightning had counted 6 steps, at the DataLoader's batch size): both resumed fits end at the same step with
+    the same z (a resumed epoch draws its data from the start of the order, as documented)."""
+    checkpoint = str(tmp_path / "step7.ckpt")
+    _larger_batches_run(tmp_path / "straight", "--epochs", "3", "--save-at", f"7:{checkpoint}")
+    resumed = _larger_batches_run(tmp_path / "resumed", "--epochs", "3", "--resume", checkpoint)
+    counted = _larger_batches_run(
+        tmp_path / "counted", "--epochs", "3", "--resume", checkpoint, "--reads-estimated-steps"
+    )
+    assert resumed[0]["global_step"] == counted[0]["global_step"] == 7 + 2 + 4
+    for x, y in zip(resumed[0]["z"], counted[0]["z"], strict=True):
+        assert torch.equal(x, y)
+
+
 def test_a_loader_made_in_configure_optimizers_is_routed_too(tmp_path: Path, four_epochs: list[dict]) -> None:
     """``configure_optimizers`` reading ``trainer.estimated_stepping_batches`` (a OneCycleLR set-up) makes the training
     loader during the strategy's set-up, and Lightning keeps it: it is routed as any other (before, it was the
