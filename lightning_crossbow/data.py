@@ -483,6 +483,15 @@ class RoutedBatchLoader(ReplicaBatchLoader):
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those handed out, and those the rest of the order makes, each group at
         the split in force for it (groups drawn ahead keep the split they were drawn with)."""
+        return self._rest_of_pass()[0]
+
+    def samples_left_out_of_pass(self) -> int:
+        """Samples of the current pass's order that no group takes: the tail its last group leaves (0 when that
+        group takes the order's short last batch)."""
+        return max(0, self._rest_of_pass()[1])
+
+    def _rest_of_pass(self) -> tuple[int, int]:
+        """``(groups of the current pass, samples of the order no group takes)``, each group at its own layout."""
         sampler = self.routed_sampler
         remaining = sampler.samples_per_epoch() - self._order_samples_taken
         groups, group = self.groups_yielded, self.plan.groups_trained
@@ -490,7 +499,7 @@ class RoutedBatchLoader(ReplicaBatchLoader):
             remaining -= sum(sizes)
             groups += 1
             group += 1
-        return groups
+        return groups, remaining
 
     def __len__(self) -> int:
         return self.routed_sampler.groups_per_epoch()

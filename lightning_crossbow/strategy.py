@@ -1537,6 +1537,13 @@ class CrossbowStrategy(DDPStrategy):
         self.balancer.history.append((trainer.global_step, layout.split, scaled))
         assert self.stack is not None
         self._epoch.k_changed(trainer, self.stack.num_replicas)  # (Lightning's count of the epoch's steps follows)
+        left_out = self._grouped.samples_left_out_of_pass()
+        if left_out * 10 > sampler.samples_per_epoch():
+            rank_zero_warn(
+                f"crossbow: with the new learners per rank {layout.split} and per-replica batch sizes"
+                f" {layout.batch_sizes}, the last {left_out} of this epoch's {sampler.samples_per_epoch()} samples fill"
+                f" no step and are skipped (in later epochs {sampler.skipped_samples(layout)})."
+            )
         models = ", ".join(
             f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} u" for m in self.balancer.step_times() or ()
         )

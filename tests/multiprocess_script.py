@@ -43,16 +43,22 @@ class Unsharded(L.LightningDataModule):
     in heterogeneous mode crossbow routes it."""
 
     def __init__(
-        self, num_samples: int = 96, validate: bool = False, resumable: bool = False, batch_size: int = 8
+        self,
+        num_samples: int = 96,
+        validate: bool = False,
+        resumable: bool = False,
+        batch_size: int = 8,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
         self.num_samples, self.resumable, self.batch_size = num_samples, resumable, batch_size
+        self.drop_last = drop_last
         if validate:  # 8 validation batches, which the ranks share as in plain Lightning
             self.val_dataloader = lambda: DataLoader(make_data(num_samples=64, seed=1), batch_size=8)
 
     def train_dataloader(self) -> DataLoader:
         return (ResumableLoader if self.resumable else DataLoader)(
-            make_data(num_samples=self.num_samples), batch_size=self.batch_size
+            make_data(num_samples=self.num_samples), batch_size=self.batch_size, drop_last=self.drop_last
         )
 
 
@@ -256,6 +262,7 @@ def main() -> None:
     parser.add_argument("--second-fit", action="store_true", help="fit once more, one epoch, with the same strategy")
     parser.add_argument("--uneven-datasets", action="store_true", help="rank 1's dataset is one batch shorter")
     parser.add_argument("--uneven-batch-sizes", action="store_true", help="rank 1's DataLoader has batch_size=4")
+    parser.add_argument("--drop-last", action="store_true", help="the training DataLoader's drop_last")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--validate", action="store_true", help="validate on 8 batches after every epoch")
@@ -326,6 +333,7 @@ def main() -> None:
             args.validate,
             args.resumable_loader,
             batch_size=4 if args.uneven_batch_sizes and os.environ.get("LOCAL_RANK") == "1" else 8,
+            drop_last=args.drop_last,
         )
         if args.distributed_sampler or balancer is not None
         else Sharded()

@@ -572,6 +572,19 @@ def test_learning_rates_scaled_inside_the_block_only() -> None:
         SpeedBalancer(lr_follows_batch="yes")  # type: ignore[arg-type]
 
 
+def test_a_new_layout_that_leaves_much_of_the_epoch_in_progress_out_says_so(tmp_path: Path) -> None:
+    """drop_last: epoch 0 makes groups of 32 samples at (8, 8, 8, 8) until the balancer's change, then of 47 at
+    (13, 13, 13, 8) (3 and 1 here: 45 samples left, short of a group): a warning says how many this epoch skips
+    where that is over a tenth (and that later epochs, 4 groups of 47 = 188, skip none)."""
+    ranks = _larger_batches_run(tmp_path / "run", "--epochs", "2", "--drop-last")
+    warned = torch.load(tmp_path / "run" / "rank0_warnings.pt")
+    skipped = [w for w in warned if "with the new learners per rank (3, 1) and per-replica batch sizes (13, 8)" in w]
+    assert len(skipped) == 1 and "of this epoch's 188 samples fill no step" in skipped[0]
+    left_out = 188 - len(ranks[0]["seen"][0]) - len(ranks[1]["seen"][0])
+    assert f"the last {left_out} of this epoch's" in skipped[0] and "(in later epochs 0)" in skipped[0]
+    assert len(ranks[0]["seen"][1]) + len(ranks[1]["seen"][1]) == 188
+
+
 def test_a_resume_carries_on_the_larger_batches_exactly(tmp_path: Path, larger_batches: list[dict]) -> None:
     """Saved after epoch 2 and resumed to epoch 4: the same learners and batch sizes, bitwise the same z."""
     checkpoint = str(tmp_path / "half.ckpt")
