@@ -40,6 +40,10 @@ class Layout(NamedTuple):
     split: Split
     batch_sizes: Split
 
+    def learner_batch_sizes(self) -> Split:
+        """The full batch size of each of the ``K`` learners, rank by rank."""
+        return tuple(b for k, b in zip(self.split, self.batch_sizes) for _ in range(k))
+
 
 class RoutingPlan:
     """The splits (and batch sizes) in force from each group on, and where this rank's sampler and training loop are.
@@ -72,17 +76,21 @@ class RoutingPlan:
         """The split in force at ``group``."""
         return self._splits[self._entry(group)]
 
-    def batch_sizes_at(self, group: int) -> Split:
-        """Every rank's per-replica batch size at ``group``."""
-        return self._batch_sizes[self._entry(group)] or (self.batch_size,) * len(self.latest)
+    def layout_at(self, group: int) -> Layout:
+        """The split and batch sizes in force at ``group``."""
+        entry = self._entry(group)
+        return Layout(self._splits[entry], self._sizes_or_the_loaders(self._batch_sizes[entry]))
 
     def learner_batch_sizes(self, group: int) -> Split:
         """The full batch size of each of the group's ``K`` learners, rank by rank."""
-        return tuple(b for k, b in zip(self.split_at(group), self.batch_sizes_at(group)) for _ in range(k))
+        return self.layout_at(group).learner_batch_sizes()
 
-    def layout_at(self, group: int) -> Layout:
-        """The split and batch sizes in force at ``group``."""
-        return Layout(self.split_at(group), self.batch_sizes_at(group))
+    def scaled(self, batch_sizes: Split) -> Optional[Split]:
+        """``batch_sizes``, or None where every one is the DataLoader's (how the plan keeps them)."""
+        return None if set(batch_sizes) == {self.batch_size} else batch_sizes
+
+    def _sizes_or_the_loaders(self, batch_sizes: Optional[Split]) -> Split:
+        return batch_sizes or (self.batch_size,) * len(self.latest)
 
     def share(self, group: int) -> tuple[int, int]:
         """``(first, count)``: this rank's learners are ``first .. first + count - 1`` of the group's ``K``."""
@@ -95,11 +103,6 @@ class RoutingPlan:
         return self._splits[-1]
 
     @property
-    def latest_batch_sizes(self) -> Split:
-        """The batch sizes of the last change scheduled."""
-        return self._batch_sizes[-1] or (self.batch_size,) * len(self.latest)
-
-    @property
     def latest_scaled_batch_sizes(self) -> Optional[Split]:
         """The batch sizes of the last change scheduled where they are not all the DataLoader's, else None."""
         return self._batch_sizes[-1]
@@ -107,7 +110,7 @@ class RoutingPlan:
     @property
     def latest_layout(self) -> Layout:
         """The split and batch sizes of the last change scheduled."""
-        return Layout(self.latest, self.latest_batch_sizes)
+        return Layout(self.latest, self._sizes_or_the_loaders(self._batch_sizes[-1]))
 
     @property
     def latest_from(self) -> int:
@@ -122,11 +125,10 @@ class RoutingPlan:
         ``groups_drawn`` over ranks), else the ranks would cut that group differently.
         """
         check_split(split, len(self.latest))
-        sizes = None if batch_sizes is None else tuple(batch_sizes)
-        if sizes is not None:
-            check_split(sizes, len(self.latest), what="per-replica batch size")
-            if set(sizes) == {self.batch_size}:
-                sizes = None
+        sizes = None
+        if batch_sizes is not None:
+            check_split(batch_sizes, len(self.latest), what="per-replica batch size")
+            sizes = self.scaled(tuple(batch_sizes))
         if from_group < self.groups_drawn:
             raise ValueError(
                 f"group {from_group} is already drawn; a new split can start at {self.groups_drawn} or later."
@@ -233,17 +235,19 @@ class RoutedBatchSampler(BatchSampler):
 
     def groups_per_epoch(self, layout: Optional[Layout] = None) -> int:
         """Groups of one epoch at ``layout`` (default: the latest split and batch sizes)."""
-        return len(self._group_samples(layout or self.plan.latest_layout))
+        return self._cut_epoch(layout or self.plan.latest_layout)[0]
 
     def skipped_samples(self, layout: Optional[Layout] = None) -> int:
         """Samples at the end of each epoch that fill no group at ``layout`` (default: the latest)."""
-        return self.samples_per_epoch() - sum(self._group_samples(layout or self.plan.latest_layout))
+        return self._cut_epoch(layout or self.plan.latest_layout)[1]
 
-    def _group_samples(self, layout: Layout) -> list[int]:
-        """The samples of each of an epoch's groups at ``layout`` (the last one short where it keeps a short batch)."""
-        sizes = tuple(b for k, b in zip(*layout) for _ in range(k))
+    def _cut_epoch(self, layout: Layout) -> tuple[int, int]:
+        """``(groups, samples left out)`` of one epoch at ``layout`` (a last group keeps a short last batch)."""
+        sizes = layout.learner_batch_sizes()
         full, left = divmod(self.samples_per_epoch(), sum(sizes))
-        return [sum(sizes)] * full + ([left] if left > 0 and group_fits(left, sizes, self.drop_last) else [])
+        if left > 0 and group_fits(left, sizes, self.drop_last):
+            return full + 1, 0
+        return full, left
 
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the order, whose shuffle depends on the epoch."""

@@ -376,9 +376,8 @@ class CrossbowStrategy(DDPStrategy):
         heterogeneous mode the mean over processes."""
         if not self._batch_size:
             return None
-        if self._split is not None:
-            sizes = self._batch_sizes or (self._batch_size,) * len(self._split)
-            return sum(k * b for k, b in zip(self._split, sizes)) / self.world_size
+        if self.routing is not None:
+            return sum(self._layout_in_force().learner_batch_sizes()) / self.world_size
         return self.replicas_per_device * self._batch_size
 
     @property
@@ -1456,10 +1455,7 @@ class CrossbowStrategy(DDPStrategy):
     def _scaled_batch_sizes(self) -> Optional[Split]:
         """Heterogeneous mode: each rank's per-replica batch size in force, where a rank's differs from the
         DataLoader's (``SpeedBalancer(max_batch_scale > 1)``); else None."""
-        if self.routing is None:
-            return None
-        sizes = self._layout_in_force().batch_sizes
-        return None if set(sizes) == {self.routing.batch_size} else sizes
+        return None if self.routing is None else self.routing.scaled(self._layout_in_force().batch_sizes)
 
     def _layout_change_scheduled(self) -> bool:
         """Heterogeneous mode: whether a change of the split or batch sizes is scheduled and not in force yet."""
