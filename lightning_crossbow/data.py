@@ -219,7 +219,6 @@ _OWN_ATTRIBUTES = (
     "_fetcher",
     "plan",
     "routed_sampler",
-    "place_not_restored",
     "_resume_at",
     "_restart_counted",
     "_ends_when_counted",
@@ -446,16 +445,29 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         self.routed_sampler = routed_sampler
         super().__init__(loader, self.plan.share(self.plan.groups_trained)[1])
         self.current_group = -1  #: the group of the last batches handed out
-        #: Whether Lightning gave it a place in its pass to resume at, which it did not take (:meth:`load_state_dict`).
-        self.place_not_restored = False
         self._order_samples_taken = 0  # in the current pass, by the groups of every rank
+
+    def resume_pass_at(self, groups: int, samples: int) -> None:
+        """The next pass goes on with one saved in its middle: ``groups`` groups of it were trained, which took its
+        order's first ``samples`` samples. It counts on from those groups and draws the rest of the order, cut at
+        the layout in force now (whatever it was before), so the epoch still takes each sample at most once."""
+        self._resume_at = (groups, 0)
+        self.routed_sampler.start_next_pass_at(samples)
+
+    def place_in_pass(self, in_flight: bool) -> tuple[int, int]:
+        """``(groups, samples)`` of the current pass trained so far, for :meth:`resume_pass_at`; ``in_flight``: the
+        last group handed out is not trained (its step did not end)."""
+        if not in_flight:
+            return self.groups_yielded, self._order_samples_taken
+        in_flight_samples = sum(self.plan.learner_batch_sizes(self.current_group))
+        return self.groups_yielded - 1, self._order_samples_taken - in_flight_samples
 
     @override
     def _group_size(self) -> int:
         return self.plan.share(self.plan.groups_trained)[1]
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
-        self._order_samples_taken = 0
+        self._order_samples_taken = self.routed_sampler.next_pass_starts_at  # (a pass resumed in its middle)
         # Groups the last pass drew ahead of training (prefetching; limit_train_batches, max_steps), or found no
         # room for, were never trained: the new pass draws from where training is (every rank is there too).
         self.plan.groups_drawn = self.plan.groups_trained
@@ -474,10 +486,8 @@ class RoutedBatchLoader(ReplicaBatchLoader):
     def load_state_dict(self, state: Any) -> None:
         """Not loaded: a place in its pass that the wrapped loader saved (rank 0's, in the checkpoint) is not the
         other ranks' (each takes its own share of the common order), and a rank resumed there would train other
-        steps than the rest, which then wait for it. The resumed pass starts at the order's beginning, as that of a
-        loader that does not save its place does (the routing plan restarts there too); :attr:`place_not_restored`
-        says so, for the strategy to warn where that pass resumes an epoch in its middle."""
-        self.place_not_restored = True
+        steps than the rest, which then wait for it. The place in the common order, the same on every rank, is the
+        strategy's to restore (:meth:`resume_pass_at`)."""
 
     @override
     def groups_in_pass(self) -> int:

@@ -223,6 +223,15 @@ class RoutedBatchSampler(BatchSampler):
         super().__init__(order, batch_size, drop_last)
         self.plan = plan
         plan.batch_size = batch_size
+        #: Where in the order the next pass starts (a pass resumed in its middle; see :meth:`start_next_pass_at`).
+        self.next_pass_starts_at = 0
+
+    def start_next_pass_at(self, sample: int) -> None:
+        """The next pass draws the order from its ``sample``-th index on: the rest of a pass saved in its middle, whose
+        groups before it every rank trained (the order and its cut are the same on every rank, so is the place)."""
+        if not 0 <= sample <= self.samples_per_epoch():
+            raise ValueError(f"a pass of {self.samples_per_epoch()} samples cannot resume at sample {sample}.")
+        self.next_pass_starts_at = sample
 
     def samples_per_epoch(self) -> int:
         """The common order's length."""
@@ -256,7 +265,8 @@ class RoutedBatchSampler(BatchSampler):
             set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices, plan, offset = list(self.sampler), self.plan, 0
+        indices, plan, offset = list(self.sampler), self.plan, self.next_pass_starts_at
+        self.next_pass_starts_at = 0
         while True:
             group = plan.groups_drawn
             sizes = plan.learner_batch_sizes(group)

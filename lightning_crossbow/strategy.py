@@ -310,6 +310,12 @@ class CrossbowStrategy(DDPStrategy):
         #: The same, less a group whose step had not ended when the checkpoint was saved (saved from an exception in
         #: it): what a loader that does not save its place counts on from.
         self._resumed_pass_trained: Optional[tuple[int, int]] = None
+        #: Heterogeneous mode: (groups, samples of the common order) of the epoch trained before the checkpoint this
+        #: fit resumes from in that epoch's middle, until its routed loader is made (or told); else None.
+        self._resumed_routed_place: Optional[tuple[int, int]] = None
+        #: Heterogeneous mode: a fit resumed in an epoch's middle from a checkpoint without a place in the common
+        #: order (of the uniform path), whose epoch draws its data from the order's start: warned at its first step.
+        self._routed_place_unknown = False
         #: The training loader this fit made (uniform mode), once made.
         self._fit_loader: Optional[ReplicaBatchLoader] = None
         #: Lightning's counts of the training epoch, kept right for the groups of k batches.
@@ -640,11 +646,16 @@ class CrossbowStrategy(DDPStrategy):
         :meth:`~lightning_crossbow.data.ReplicaBatchLoader.count_on_from`): one saved in the middle of an epoch, not
         after its last step (``step_ended``: the last step counted had ended) nor at its end (a fit stopped within
         it by ``max_steps`` saves at its end)."""
+        if self._resumes_in_an_epochs_middle(step_ended):
+            grouped.count_on_from(counts, pass_begun)
+
+    def _resumes_in_an_epochs_middle(self, step_ended: bool) -> bool:
+        """Whether the checkpoint restored was saved in the middle of an epoch: not after its last step (``step_ended``:
+        the last step counted had ended) nor at its end (a fit stopped within it by ``max_steps`` saves at its end)."""
         fit_loop = self.lightning_module.trainer.fit_loop
         epoch = fit_loop.epoch_progress.current
         last_step_done = step_ended and fit_loop.epoch_loop.batch_progress.is_last_batch
-        if epoch.processed < epoch.started and not last_step_done:
-            grouped.count_on_from(counts, pass_begun)
+        return epoch.processed < epoch.started and not last_step_done
 
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
@@ -690,7 +701,11 @@ class CrossbowStrategy(DDPStrategy):
         if len(names) == len(args) and all(p.kind is not p.VAR_POSITIONAL for p in parameters):
             args, kwargs = (), {**dict(zip(names, args)), **kwargs}
         kwargs.update(sampler=None, shuffle=False, batch_sampler=routed, batch_size=1, drop_last=False)
-        return RoutedBatchLoader(_reinstantiate_wrapped_cls(dataloader, *args, **kwargs), routed)
+        loader = RoutedBatchLoader(_reinstantiate_wrapped_cls(dataloader, *args, **kwargs), routed)
+        if self._resumed_routed_place is not None:
+            loader.resume_pass_at(*self._resumed_routed_place)
+            self._resumed_routed_place = None
+        return loader
 
     # ------------------------------------------------------------------------------- training
     @override
@@ -700,15 +715,13 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
         self._epoch.start_batch(trainer, batch_idx, isinstance(batch, list), self.stack.num_replicas)
         if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
-            if self._grouped.place_not_restored:
-                self._grouped.place_not_restored = False
-                if batch_idx > 0:  # (a resume at an epoch's end starts the next epoch: nothing is drawn again)
-                    rank_zero_warn(
-                        "crossbow: heterogeneous mode does not restore the training loader's place in its pass (each"
-                        " rank takes its own share of one common order, so a place saved by one rank's loader is not"
-                        " the others'): the resumed epoch draws its data from the start, as with a loader that does"
-                        " not save its place."
-                    )
+            if self._routed_place_unknown:
+                self._routed_place_unknown = False
+                rank_zero_warn(
+                    "crossbow: the checkpoint holds no place in heterogeneous mode's common order of the data (it was"
+                    " saved by the uniform path, or an earlier version): the resumed epoch draws its data from the"
+                    " order's start."
+                )
             layout = self.routing.layout_at(self._grouped.current_group)
             if layout != self._layout_in_force():  # (every rank changes at this same step)
                 self.average_pending_steps()  # no learner leaves with steps that z has not taken in
@@ -1760,6 +1773,13 @@ class CrossbowStrategy(DDPStrategy):
             ),
             # the batches of the last group counted there if its step has not ended (a save from an exception)
             "batches_in_flight": in_flight,
+            # heterogeneous mode: the epoch's groups and samples of the common order trained so far (the same on
+            # every rank), where a resume in the epoch's middle goes on
+            "routed_place": (
+                list(self._grouped.place_in_pass(self._routed_step_in_flight()))
+                if isinstance(self._grouped, RoutedBatchLoader)
+                else None
+            ),
             # the epoch's fractional validation checks done (EpochCounts.time_fractional_validation), that of a step
             # that ended counted in: a resumed fit goes on from the next step, as plain Lightning does, skipping its
             # check
@@ -1788,6 +1808,13 @@ class CrossbowStrategy(DDPStrategy):
             "lr_drop_pending": self._lr_drop_pending,
             "ranks": ranks,
         }
+
+    def _routed_step_in_flight(self) -> bool:
+        """Heterogeneous mode: whether the last group handed out is one whose step Lightning has not counted processed
+        (a checkpoint saved from an exception raised in the step, or in a hook before it)."""
+        assert self._grouped is not None
+        trained = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return self._grouped.groups_yielded > trained
 
     def _batches_in_flight(self) -> int:
         """Batches of a group drawn for a step that Lightning has not counted processed (a checkpoint saved from an
@@ -1837,6 +1864,7 @@ class CrossbowStrategy(DDPStrategy):
         if regained:  # parameters that got replicas once unfrozen get them again, in the buckets they had
             self._give_replicas_to(regained)
         if self.routing is not None:
+            self._restore_routed_place(state, step_ended=trained == drawn)
             same_layout = self._restore_split(state)
         else:
             # (a heterogeneous run's checkpoint with different learners per rank re-seeds)
@@ -1932,6 +1960,21 @@ class CrossbowStrategy(DDPStrategy):
             state is not None and state.get("configured_replicas_per_device") == self._configured_replicas_per_device
         )
 
+    def _restore_routed_place(self, state: Optional[Mapping[str, Any]], step_ended: bool) -> None:
+        """Heterogeneous mode, resumed in an epoch's middle: the epoch goes on at the checkpoint's place in the common
+        order, whatever the learners and batch sizes are now (the order is the same for any split and world size)."""
+        if state is None or not self._resumes_in_an_epochs_middle(step_ended):
+            return
+        place = state.get("routed_place")
+        if place is None:
+            self._routed_place_unknown = bool(state.get("pass_counts"))  # (the uniform path's, in the epoch's middle)
+            return
+        grouped = self._grouped
+        if isinstance(grouped, RoutedBatchLoader) and grouped.plan is self.routing:  # made in configure_optimizers
+            grouped.resume_pass_at(*place)
+        else:
+            self._resumed_routed_place = (int(place[0]), int(place[1]))
+
     def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:
         """Heterogeneous mode: carries on with the checkpoint's learners per rank when it has as many ranks
         and, unless k is tuned, as many learners in all, and with a change of them it had scheduled; returns whether
@@ -1987,6 +2030,7 @@ class CrossbowStrategy(DDPStrategy):
         self._group = self._group_cut = None  # (a fit may stop by an error in a step)
         # (a fit may stop before its loader was made)
         self._resumed_group_size = self._resumed_pass_counts = self._resumed_pass_trained = None
+        self._resumed_routed_place, self._routed_place_unknown = None, False
         self._epoch.end_fit(self._lightning_module.trainer if self._lightning_module is not None else None)
         if self._grouped is not None:
             self._grouped.forget_tail()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset, WeightedRandomSampler
 
@@ -20,7 +21,7 @@ from lightning_crossbow.balancing import StepTime, fill_batches, split_learners,
 from lightning_crossbow.data import RoutedBatchLoader
 from lightning_crossbow.optim import learning_rates_scaled
 from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan
-from tests.helpers import Classifier, loader, make_data, make_net, trainer
+from tests.helpers import BatchesSeen, Classifier, loader, make_data, make_net, trainer
 from tests.test_multiprocess import ANY_LAUNCHER, _run
 
 BATCH = 8
@@ -307,6 +308,84 @@ def test_resuming_an_uneven_split_elsewhere_names_the_split_in_the_re_seed_warni
         trainer(strategy=CrossbowStrategy(replicas_per_device=3), max_steps=3).fit(
             Classifier(), loader(make_data(num_samples=80)), ckpt_path=tmp_path / "uneven.ckpt"
         )
+
+
+class SaveAtStep(Callback):
+    """Saves a checkpoint once ``global_step`` reaches ``step`` (in ``on_train_batch_end``, as ModelCheckpoint's)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _shuffled_heterogeneous_fit(k: int, *callbacks: Callback, ckpt_path: Any = None) -> tuple[Classifier, BatchesSeen]:
+    """One process, heterogeneous mode, 96 samples shuffled in batches of 8, 2 epochs (3 steps an epoch at k=4)."""
+    seen, model = BatchesSeen(), Classifier(lr=0.1)
+    strategy = CrossbowStrategy(replicas_per_device=k, heterogeneous=True)
+    checkpoints = any(isinstance(callback, OnExceptionCheckpoint) for callback in callbacks)
+    fit = trainer(strategy=strategy, max_epochs=2, callbacks=[seen, *callbacks], enable_checkpointing=checkpoints)
+    fit.fit(model, loader(make_data(num_samples=96), shuffle=True), ckpt_path=ckpt_path)
+    return model, seen
+
+
+def test_a_resume_in_an_epochs_middle_goes_on_at_its_place_in_the_common_order(tmp_path: Path) -> None:
+    """Saved after step 4 (the first of epoch 1's three) and resumed: the epoch's last two steps train the order's
+    samples after the first step's, so the resumed fit ends bitwise where the one that went on did."""
+    straight, straight_seen = _shuffled_heterogeneous_fit(4, SaveAtStep(4, tmp_path / "step4.ckpt"))
+    resumed, resumed_seen = _shuffled_heterogeneous_fit(4, ckpt_path=tmp_path / "step4.ckpt")
+    assert len(resumed_seen.epochs[1]) == 8 and torch.equal(
+        torch.cat(resumed_seen.epochs[1]), torch.cat(straight_seen.epochs[1][4:])
+    )
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_resume_with_other_learners_in_an_epochs_middle_trains_the_rest_of_its_order_once(tmp_path: Path) -> None:
+    """Saved after step 4 (k=4: 32 of epoch 1's 96 samples trained) and resumed with k=3: the epoch's rest, 64
+    samples, makes two steps of 24 (the last 16 fill none): no sample of the epoch trained twice (before, the
+    resumed epoch drew its order from the start again)."""
+    _, straight_seen = _shuffled_heterogeneous_fit(4, SaveAtStep(4, tmp_path / "step4.ckpt"))
+    _, resumed_seen = _shuffled_heterogeneous_fit(3, ckpt_path=tmp_path / "step4.ckpt")
+    epoch = torch.cat(straight_seen.epochs[1][:4] + resumed_seen.epochs[1])
+    assert len(resumed_seen.epochs[1]) == 2 * 3 and len(epoch) == 32 + 48
+    assert len(torch.unique(epoch, dim=0)) == len(epoch)
+    assert 0 not in resumed_seen.epochs  # (epoch 0 was done before the checkpoint)
+
+
+class FailAtStep(Callback):
+    """Raises in ``on_train_batch_start`` of the step after ``step``: its group is handed out and not trained."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("a failure in the middle of an epoch")
+
+
+def test_a_checkpoint_saved_from_a_failed_step_resumes_at_that_steps_group(tmp_path: Path) -> None:
+    """OnExceptionCheckpoint saves while step 5's group is handed out and not trained: the resumed epoch trains it,
+    as the fit that did not fail did (bitwise the same z)."""
+    straight, _ = _shuffled_heterogeneous_fit(4)
+    with pytest.raises(RuntimeError, match="a failure in the middle"):
+        _shuffled_heterogeneous_fit(4, FailAtStep(4), OnExceptionCheckpoint(tmp_path, filename="failed"))
+    resumed, resumed_seen = _shuffled_heterogeneous_fit(4, ckpt_path=tmp_path / "failed.ckpt")
+    assert len(resumed_seen.epochs[1]) == 8
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_uniform_checkpoint_from_an_epochs_middle_resumes_heterogeneous_mode_at_the_orders_start_saying_so(
+    tmp_path: Path,
+) -> None:
+    """The uniform path's order is not the common one, so its place cannot carry over: a warning says so."""
+    uniform = trainer(strategy=CrossbowStrategy(4), max_epochs=1, callbacks=[SaveAtStep(1, tmp_path / "u.ckpt")])
+    uniform.fit(Classifier(lr=0.1), loader(make_data(num_samples=96), shuffle=True))
+    with pytest.warns(UserWarning, match="holds no place in heterogeneous mode's common order .* the order's start"):
+        _shuffled_heterogeneous_fit(4, ckpt_path=tmp_path / "u.ckpt")
 
 
 def test_heterogeneous_mode_refuses_a_sampler_it_cannot_reproduce_on_every_rank() -> None:
@@ -615,20 +694,27 @@ def test_a_resume_carries_on_the_larger_batches_exactly(tmp_path: Path, larger_b
     assert torch.load(out / "rank0.pt")["batch_sizes"][0] == [8, 8, 8]
 
 
-def test_a_mid_epoch_resume_counts_the_epoch_at_the_restored_batch_sizes(tmp_path: Path) -> None:
-    """Saved at step 7, within epoch 1 (4 steps an epoch at (13, 13, 13, 8)) and resumed: the epoch's steps left are
-    counted at the restored layout, also where the loader was made in configure_optimizers, before the restore
-    (Lightning had counted 6 steps, at the DataLoader's batch size): both resumed fits end at the same step with
-    the same z (a resumed epoch draws its data from the start of the order, as documented)."""
+def test_a_mid_epoch_resume_goes_on_at_its_place_and_counts_the_epoch_at_the_restored_batch_sizes(
+    tmp_path: Path,
+) -> None:
+    """Saved at step 7, within epoch 1 (4 steps an epoch at (13, 13, 13, 8)) and resumed: the epoch goes on at its
+    place in the common order, its steps left counted at the restored layout, also where the loader was made in
+    configure_optimizers, before the restore (Lightning had counted 6 steps, at the DataLoader's batch size): both
+    resumed fits end at the step, the batches and the z of the fit that went on, bitwise."""
     checkpoint = str(tmp_path / "step7.ckpt")
-    _larger_batches_run(tmp_path / "straight", "--epochs", "3", "--save-at", f"7:{checkpoint}")
+    straight = _larger_batches_run(tmp_path / "straight", "--epochs", "3", "--save-at", f"7:{checkpoint}")
     resumed = _larger_batches_run(tmp_path / "resumed", "--epochs", "3", "--resume", checkpoint)
     counted = _larger_batches_run(
         tmp_path / "counted", "--epochs", "3", "--resume", checkpoint, "--reads-estimated-steps"
     )
-    assert resumed[0]["global_step"] == counted[0]["global_step"] == 7 + 2 + 4
-    for x, y in zip(resumed[0]["z"], counted[0]["z"], strict=True):
-        assert torch.equal(x, y)
+    assert resumed[0]["global_step"] == counted[0]["global_step"] == straight[0]["global_step"] == 7 + 2 + 4
+    for rank in range(2):
+        rest_of_epoch_1 = resumed[rank]["seen"][1]  # (the samples of epoch 1's steps 8 and 9)
+        assert len(rest_of_epoch_1) > 0
+        assert torch.equal(rest_of_epoch_1, straight[rank]["seen"][1][-len(rest_of_epoch_1) :])
+        for run in (resumed, counted):
+            for x, y in zip(run[rank]["z"], straight[rank]["z"], strict=True):
+                assert torch.equal(x, y)
 
 
 def test_a_loader_made_in_configure_optimizers_is_routed_too(tmp_path: Path, four_epochs: list[dict]) -> None:
@@ -718,13 +804,14 @@ def test_a_resume_carries_on_a_change_of_split_scheduled_at_the_checkpoint(
         assert resumed[rank]["replicas_per_device"] == scheduled[rank]
 
 
-def test_a_resume_with_a_loader_that_saves_its_place_starts_the_epochs_data_again_as_another_loader_would(
+def test_a_resume_with_a_loader_that_saves_its_place_goes_on_at_the_common_orders_place_as_another_loader_does(
     tmp_path: Path, change_scheduled: tuple[list[dict], list[dict]]
 ) -> None:
     """Each rank's loader takes its own share of the common order, so the place that rank 0's loader saved is not
-    rank 1's: resumed there, the ranks disagreed on the steps left and one waited for the other forever. The place
-    is not loaded: the resumed fit is that of a loader that does not save its place, bitwise, with a warning where
-    it resumes an epoch in its middle (step 4: the second of epoch 1's), and none from the last step of an epoch."""
+    rank 1's: resumed there, the ranks disagreed on the steps left and one waited for the other forever. That place
+    is not loaded; the strategy's place in the common order is: the resumed fit is that of a loader that does not
+    save its place, bitwise, without a warning of a place not restored, from an epoch's middle (step 4: the second
+    of epoch 1's) or its last step."""
     epoch_end = str(tmp_path / "epoch_end.ckpt")
     _, resumed = _save_while_a_change_is_scheduled_and_resume(
         tmp_path, "--resumable-loader", "--save-at", f"3:{epoch_end}"
@@ -735,8 +822,8 @@ def test_a_resume_with_a_loader_that_saves_its_place_starts_the_epochs_data_agai
         assert resumed[rank]["group_sizes"] == expected[rank]["group_sizes"]
         for x, y in zip(resumed[rank]["z"], expected[rank]["z"], strict=True):
             assert torch.equal(x, y)
-    not_restored = "heterogeneous mode does not restore the training loader's place in its pass"
-    assert sum(not_restored in message for message in torch.load(tmp_path / "resumed" / "rank0_warnings.pt")) == 1
+    not_restored = "holds no place"
+    assert not any(not_restored in message for message in torch.load(tmp_path / "resumed" / "rank0_warnings.pt"))
     _heterogeneous_run(tmp_path / "from_epoch_end", "--epochs", "4", "--resume", epoch_end, "--resumable-loader")
     assert not any(not_restored in message for message in torch.load(tmp_path / "from_epoch_end" / "rank0_warnings.pt"))
 
