@@ -188,6 +188,18 @@ def seed_stacked_state_(optimizer: Optimizer, saved: Mapping[str, Any], stacked:
     return True
 
 
+def take_central_settings_(optimizer: Optimizer, central: Mapping[str, Any]) -> None:
+    """The stacked ``optimizer``, loaded from the replicas' own copy of its state, takes what the checkpoint's
+    central optimizer state (``optimizer_states``, the one plain Lightning loads) says, as plain Lightning would
+    take it, edits included (a new learning rate set in ``on_load_checkpoint``, say): every param group's
+    hyper-parameters, and no state at all where the central one holds none. Unedited, it changes nothing."""
+    if len(central["param_groups"]) == len(optimizer.param_groups):
+        for group, saved_group in zip(optimizer.param_groups, central["param_groups"]):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+    if not central["state"]:
+        optimizer.state.clear()
+
+
 @torch.no_grad()
 def resize_stacked_state_(optimizer: Optimizer, new_params: Mapping[int, Tensor], num_replicas: int) -> None:
     """Re-points ``optimizer`` from stacked params to ``new_params[id(old)]`` with ``num_replicas`` rows.

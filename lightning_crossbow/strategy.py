@@ -97,6 +97,7 @@ from lightning_crossbow.optim import (
     seed_stacked_state_,
     stacked_indices,
     stacked_params,
+    take_central_settings_,
     unfuse_,
 )
 from lightning_crossbow.period import AveragePendingSteps, AveragingPeriod
@@ -316,6 +317,8 @@ class CrossbowStrategy(DDPStrategy):
         #: Heterogeneous mode: a fit resumed in an epoch's middle from a checkpoint without a place in the common
         #: order (of the uniform path), whose epoch draws its data from the order's start: warned at its first step.
         self._routed_place_unknown = False
+        #: Whether the engine is running the user's training_step with the replicas' weights in the module (k > 1).
+        self._replicas_in_module = False
         #: The training loader this fit made (uniform mode), once made.
         self._fit_loader: Optional[ReplicaBatchLoader] = None
         #: Lightning's counts of the training epoch, kept right for the groups of k batches.
@@ -897,7 +900,11 @@ class CrossbowStrategy(DDPStrategy):
                 self.stack.reset_replicas_(module)
         engine = self.engine if not module.trainer.fit_loop._skip_backward else self._forward_only_engine()
         with self.precision_plugin.train_step_context():
-            output = engine.run(self.stack, batches, rest, self._log_capture)
+            self._replicas_in_module = self.stack.num_replicas > 1
+            try:
+                output = engine.run(self.stack, batches, rest, self._log_capture)
+            finally:
+                self._replicas_in_module = False
         losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
         # A replica skips the step only if it skipped every batch the step accumulates (None: none skipped).
@@ -1703,6 +1710,13 @@ class CrossbowStrategy(DDPStrategy):
     # ---------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._replicas_in_module:
+            raise RuntimeError(
+                "crossbow: a checkpoint was saved inside training_step, where the module holds the replicas' weights"
+                f" ({self.replicas_per_device} replicas run the step), not the central model that a checkpoint holds."
+                " Save it from a hook outside the step's forward: on_train_batch_end, on_before_optimizer_step, or a"
+                " callback such as ModelCheckpoint(every_n_train_steps=...)."
+            )
         self.sync_center()
         return super().lightning_module_state_dict()
 
@@ -1894,6 +1908,8 @@ class CrossbowStrategy(DDPStrategy):
         if same_layout:
             rank_state = state["ranks"][self.global_rank]
             optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
+            if saved_optimizer is not None and "optimizer" in rank_state:
+                take_central_settings_(optimizer, saved_optimizer)
             self.stack.load_state_dict(rank_state["stack"])
             # z's buffers were restored before the set-up made the replicas: what changed them since is a hook's
             # (on_fit_start's), which the loaded replicas take; their own buffers otherwise go on.

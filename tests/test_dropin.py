@@ -889,6 +889,62 @@ def test_a_crossbow_checkpoint_resumes_in_plain_lightning(tmp_path: Path) -> Non
     assert plain.global_step == 4 + 8  # crossbow's 4 steps, then one epoch of 8 plain steps
 
 
+class NewLearningRateOnResume(Classifier):
+    """Sets the learning rate of the resumed run in the checkpoint it loads, as users do in ``on_load_checkpoint``."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        for group in checkpoint["optimizer_states"][0]["param_groups"]:
+            group["lr"] = 0.5
+        self.learning_rates: set[float] = set()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.learning_rates.add(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_learning_rate_set_in_the_checkpoint_on_load_is_the_resumed_runs_as_in_plain_lightning(
+    k: int, tmp_path: Path
+) -> None:
+    """The replicas' own copy of their optimizer state (same k) takes the hyper-parameters of the checkpoint's
+    optimizer state as plain Lightning loads it: an lr edited there is the lr the resumed run trains at (before, the
+    edit was ignored), and at k=1 the resumed run is plain Lightning's, bitwise."""
+    dataset = make_data(num_samples=64)
+    first = trainer(strategy=CrossbowStrategy(replicas_per_device=k), max_epochs=1)
+    first.fit(Classifier(optimizer="adam"), loader(dataset))
+    first.save_checkpoint(tmp_path / "saved.ckpt")
+    resumed = NewLearningRateOnResume(optimizer="adam")
+    trainer(strategy=CrossbowStrategy(replicas_per_device=k), max_epochs=2).fit(
+        resumed, loader(dataset), ckpt_path=tmp_path / "saved.ckpt"
+    )
+    assert resumed.learning_rates == {0.5}
+    if k == 1:
+        plain = NewLearningRateOnResume(optimizer="adam")
+        trainer(max_epochs=2).fit(plain, loader(dataset), ckpt_path=tmp_path / "saved.ckpt")
+        for a, b in zip(resumed.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+class SavesInItsStep(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            self.trainer.save_checkpoint(self.path)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("engine", ["fused", "sequential"])
+def test_a_checkpoint_saved_inside_training_step_is_refused_saying_where_to_save_instead(
+    engine: str, tmp_path: Path
+) -> None:
+    """Inside the step the module holds the replicas' weights (batched under vmap: the save crashed in torch.save;
+    replica 0's under the sequential engine: a checkpoint of the wrong weights, then an in-place error)."""
+    model = SavesInItsStep()
+    model.path = tmp_path / "in_step.ckpt"
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_epochs=1)
+    with pytest.raises(RuntimeError, match="saved inside training_step, .* Save it from a hook outside"):
+        fit.fit(model, loader(make_data(num_samples=64)))
+    assert not model.path.exists()
+
+
 def test_the_central_optimizer_state_is_the_mean_over_every_processs_replicas() -> None:
     """Two processes of 2 and 1 replicas; the second never stepped parameter 1 (an unused branch): it counts
     as a zero row, as fresh momentum is. Shared state (a step count) is the first process's. Parameter 2 was
