@@ -93,7 +93,7 @@ class SplitRecorder(L.Callback):
         strategy = trainer.strategy
         balancer = getattr(strategy, "balancer", None)
         if balancer is not None:
-            self.split, self.batch_sizes, self.history = strategy._split, strategy._batch_sizes, balancer.history
+            (self.split, self.batch_sizes), self.history = strategy.layout, balancer.history
             self.models_ms = [(1e3 * m.fixed, 1e3 * m.per_learner) for m in balancer.step_times() or ()]
 
 

@@ -83,6 +83,7 @@ from lightning_crossbow.engines import (
 )
 from lightning_crossbow.epoch_counts import EpochCounts, limit_argument
 from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
+from lightning_crossbow.heterogeneous import LearnerLayouts
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import (
     HeldRows,
@@ -108,15 +109,7 @@ from lightning_crossbow.preflight import (
     warn_of_step_schedules_under_tuning,
 )
 from lightning_crossbow.replicas import BufferSnapshot, ReplicaStack, resize_rows
-from lightning_crossbow.routing import (
-    Layout,
-    RoutedBatchSampler,
-    RoutingPlan,
-    Split,
-    full_batch_weights,
-    skips_too_much,
-    why_unroutable,
-)
+from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan, why_unroutable
 from lightning_crossbow.sigterm import SigtermVote
 from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
@@ -268,11 +261,8 @@ class CrossbowStrategy(DDPStrategy):
         self.balancer: Optional[SpeedBalancer] = (
             heterogeneous if isinstance(heterogeneous, SpeedBalancer) else SpeedBalancer() if heterogeneous else None
         )
-        #: Heterogeneous mode's routing of the data and the learners per rank (set up with the replicas).
-        self.routing: Optional[RoutingPlan] = None
-        self._split: Optional[Split] = None  # the learners per rank at the step in progress
-        self._batch_sizes: Optional[Split] = None  # and each rank's per-replica batch size (None: the DataLoader's)
-        self._restored_batch_base: Optional[int] = None  # the DataLoader batch size a checkpoint's were sized for
+        #: Heterogeneous mode's layouts of the learners during a fit (set up with the replicas, dropped after).
+        self._layouts: Optional[LearnerLayouts] = None
 
         self.stack: Optional[ReplicaStack] = None
         self.engine: Optional[Engine] = None
@@ -344,9 +334,20 @@ class CrossbowStrategy(DDPStrategy):
     @property
     def num_learners(self) -> int:
         """``K``, the learners over all processes: ``k x world_size``, or the sum of the split in heterogeneous mode."""
-        if self._split is not None:
-            return sum(self._split)
+        if self._layouts is not None:
+            return sum(self._layouts.split)
         return self.replicas_per_device * self.world_size
+
+    @property
+    def routing(self) -> Optional[RoutingPlan]:
+        """Heterogeneous mode's routing of the common order of the data during a fit; None otherwise."""
+        return self._layouts.plan if self._layouts is not None else None
+
+    @property
+    def layout(self) -> Optional[Layout]:
+        """Heterogeneous mode, during a fit: the learners on each rank and each rank's per-replica batch size at the
+        step in progress; None otherwise."""
+        return self._layouts.layout_in_force() if self._layouts is not None else None
 
     @property
     def accumulating(self) -> bool:
@@ -385,8 +386,8 @@ class CrossbowStrategy(DDPStrategy):
         heterogeneous mode the mean over processes."""
         if not self._batch_size:
             return None
-        if self.routing is not None:
-            return sum(self._layout_in_force().learner_batch_sizes()) / self.world_size
+        if self._layouts is not None:
+            return sum(self._layouts.layout_in_force().learner_batch_sizes()) / self.world_size
         return self.replicas_per_device * self._batch_size
 
     @property
@@ -533,10 +534,7 @@ class CrossbowStrategy(DDPStrategy):
                 " learners may start between two accumulated batches, and the gradients accumulated for the"
                 " replicas a rank gives up would be lost."
             )
-        self.routing = RoutingPlan((self.replicas_per_device,) * self.world_size, self.global_rank)
-        self._split, self._batch_sizes = self.routing.latest, None
-        self.balancer.restart()
-        self.balancer.history = [(0, self._split, None)]
+        self._layouts = LearnerLayouts(self.balancer, self.replicas_per_device, self.world_size, self.global_rank)
 
     def _check_same_config_on_all_ranks(self) -> None:
         config = {
@@ -662,7 +660,7 @@ class CrossbowStrategy(DDPStrategy):
 
     def _routed_loader(self, dataloader: object) -> RoutedBatchLoader:
         """The user's loader drawing this rank's share of a common order (see :mod:`~lightning_crossbow.routing`)."""
-        assert self.routing is not None
+        assert self._layouts is not None
         problem = why_unroutable(dataloader)
         sampler = getattr(dataloader, "sampler", None)
         # On several processes Lightning has put its DistributedSampler in (it still splits the evaluation loaders):
@@ -696,7 +694,7 @@ class CrossbowStrategy(DDPStrategy):
         assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
         order = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
         routed = RoutedBatchSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
-        self._check_restored_batch_sizes()
+        self._layouts.check_restored_batch_sizes()
         # the user's loader (its workers, collate_fn, pin_memory...) made again over the routed batches
         args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, order, mode=RunningStage.TRAINING)
         names = getattr(dataloader, "__pl_saved_arg_names", ())  # (arguments given by position, as DataLoader(d, 64))
@@ -717,7 +715,7 @@ class CrossbowStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         assert self.stack is not None
         self._epoch.start_batch(trainer, batch_idx, isinstance(batch, list), self.stack.num_replicas)
-        if self.routing is not None and isinstance(self._grouped, RoutedBatchLoader):
+        if self._layouts is not None and isinstance(self._grouped, RoutedBatchLoader):
             if self._routed_place_unknown:
                 self._routed_place_unknown = False
                 rank_zero_warn(
@@ -725,12 +723,11 @@ class CrossbowStrategy(DDPStrategy):
                     " saved by the uniform path, or an earlier version): the resumed epoch draws its data from the"
                     " order's start."
                 )
-            layout = self.routing.layout_at(self._grouped.current_group)
-            if layout != self._layout_in_force():  # (every rank changes at this same step)
+            layout = self._layouts.plan.layout_at(self._grouped.current_group)
+            if layout != self._layouts.layout_in_force():  # (every rank changes at this same step)
                 self.average_pending_steps()  # no learner leaves with steps that z has not taken in
-                if self.balancer is not None:
-                    self.balancer.restart()  # a window measures one layout
-            self._split, self._batch_sizes = layout
+                self._layouts.balancer.restart()  # a window measures one layout
+            self._layouts.put_in_force(layout)
         if self._gradients_pending and not self.accumulating:
             # An optimizer step begins where Lightning zeroes the gradients, also after batches that no optimizer
             # step followed (an ``optimizer_step`` that runs the closure alone, skipping the step): their losses
@@ -1030,12 +1027,12 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device = replicas_per_device
             return
         assert self._grouped is not None and trainer is not None
-        if self.routing is not None and self.balancer is not None:
+        if self._layouts is not None:
             # K = k x world_size learners, split by the speeds measured last, from a group no rank has drawn.
             first_free_group = int(self._all_gather_rows(torch.tensor([float(self.routing.groups_drawn)]))[:, 0].max())
-            split = self.balancer.split_for(replicas_per_device * self.world_size, self.world_size)
-            self.routing.schedule(split, first_free_group)  # (at the DataLoader's batch size: the next window sizes)
-            self.balancer.history.append((self.lightning_module.trainer.global_step, split, None))
+            self._layouts.schedule_k(
+                replicas_per_device * self.world_size, self.world_size, first_free_group, trainer.global_step
+            )
         else:
             self._grouped.num_replicas = self._k_next_group = replicas_per_device
         self._epoch.k_changed(trainer, self.stack.num_replicas)
@@ -1248,7 +1245,8 @@ class CrossbowStrategy(DDPStrategy):
                 self.averaging.before_local_step(self.stack.buckets, self.num_learners)
             return result
 
-        with learning_rates_scaled(optimizer, self._learning_rate_scale()):
+        lr_scale = self._layouts.learning_rate_scale() if self._layouts is not None else 1.0  # (larger batches)
+        with learning_rates_scaled(optimizer, lr_scale):
             output = self.precision_plugin.optimizer_step(
                 optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
             )
@@ -1256,13 +1254,6 @@ class CrossbowStrategy(DDPStrategy):
             held.restore_()
         self._gradients_pending = False
         return output
-
-    def _learning_rate_scale(self) -> float:
-        """``b_r / b`` for this rank's learners where the balancer gave them larger batches and their learning rate
-        follows (``SpeedBalancer(lr_follows_batch=True)``), else 1."""
-        if self.routing is None or self.balancer is None or not self.balancer.lr_follows_batch:
-            return 1.0
-        return self._layout_in_force().batch_sizes[self.global_rank] / self.routing.batch_size
 
     def _rows_out_of_the_step(self) -> list[tuple[Tensor, Tensor]]:
         """The rows of each stacked parameter that the optimizer step leaves as they are: every row of a replica
@@ -1447,50 +1438,13 @@ class CrossbowStrategy(DDPStrategy):
         pool = self._stream_pool()
         return pool.on_sync_stream() if pool is not None and self.engine.uses_streams else nullcontext()
 
-    def _check_restored_batch_sizes(self) -> None:
-        """A resume carries on the checkpoint's larger batches only with the DataLoader's batch size they were sized
-        for and within this balancer's ``max_batch_scale``; else its learners start at the DataLoader's batch size."""
-        assert self.routing is not None and self.balancer is not None
-        base, self._restored_batch_base = self._restored_batch_base, None
-        sizes = self.routing.scaled_batch_sizes()
-        if not sizes:
-            return
-        most = math.floor(self.balancer.max_batch_scale * self.routing.batch_size + 1e-9)
-        if base == self.routing.batch_size and max(max(entry) for entry in sizes) <= most:
-            return
-        self.routing.forget_batch_sizes()
-        self._batch_sizes = None
-        rank_zero_warn(
-            f"crossbow: the checkpoint's per-replica batch sizes {sizes[0]} were sized for a DataLoader batch size of"
-            f" {base}; here it is {self.routing.batch_size} with max_batch_scale={self.balancer.max_batch_scale}, so"
-            " every learner starts at the DataLoader's batch size and the balancer sizes them again."
-        )
-
-    def _layout_in_force(self) -> Layout:
-        """Heterogeneous mode: the learners per rank and their per-replica batch sizes at the step in progress (the
-        last one; before a fit's first step, the checkpoint's or the first)."""
-        assert self.routing is not None and self._split is not None
-        return Layout(self._split, self._batch_sizes or (self.routing.batch_size,) * len(self._split))
-
-    def _scaled_batch_sizes(self) -> Optional[Split]:
-        """Heterogeneous mode: each rank's per-replica batch size in force, where a rank's differs from the
-        DataLoader's (``SpeedBalancer(max_batch_scale > 1)``); else None."""
-        return None if self.routing is None else self.routing.scaled(self._layout_in_force().batch_sizes)
-
-    def _layout_change_scheduled(self) -> bool:
-        """Heterogeneous mode: whether a change of the split or batch sizes is scheduled and not in force yet."""
-        return self.routing is not None and self.routing.latest_layout != self._layout_in_force()
-
     def _learner_weights(self, pending: bool = False) -> Optional[Tensor]:
         """``K p_i`` of the local learners where the learners' samples since the last averaging differ (heterogeneous
         mode: a short batch, or ranks' batch sizes that differ), else None. ``pending``: for the steps since the last
         averaging, averaged before the learners change (all of them steps of full batches at the layout in force)."""
-        if self.routing is None or not isinstance(self._grouped, RoutedBatchLoader):
+        if self._layouts is None or not isinstance(self._grouped, RoutedBatchLoader):
             return None
-        if pending:
-            weights = full_batch_weights(self._layout_in_force(), self.global_rank)
-        else:
-            weights = self.routing.learner_weights(self._grouped.current_group, self.period.steps_since - 1)
+        weights = self._layouts.learner_weights(self._grouped.current_group, self.period.steps_since, pending)
         if weights is None:
             return None
         return torch.tensor(weights, dtype=torch.float64, device=self.root_device)  # (each bucket takes its dtype)
@@ -1534,43 +1488,15 @@ class CrossbowStrategy(DDPStrategy):
         return all_reduce_sum_(tensor.to(self.root_device)).cpu()
 
     def _rebalance(self) -> None:
-        """Ends the balancer's window: every rank moves to the same new split, if one pays, at the same group."""
-        assert self.balancer is not None and self.routing is not None and isinstance(self._grouped, RoutedBatchLoader)
-        current = self._layout_in_force()
-        if self.routing.latest_layout != current:  # a change (the tuner's) is scheduled but not in force yet
-            self.balancer.restart()
-            return
-        room, drawn = self._room_for_learners(), self.routing.groups_drawn
-        layout, first_free_group = self.balancer.rebalance(
-            current, self.routing.batch_size, self._all_gather_rows, drawn, room
-        )
-        sampler = self._grouped.routed_sampler
-        if layout is None or skips_too_much(sampler, layout, current):
-            return
-        self.routing.schedule(layout.split, first_free_group, layout.batch_sizes)
-        scaled = self.routing.latest_scaled_batch_sizes
+        """Ends the balancer's window: every rank moves to the same new layout, if one pays, at the same group, and
+        Lightning's count of the epoch's steps follows."""
+        assert self._layouts is not None and isinstance(self._grouped, RoutedBatchLoader) and self.stack is not None
         trainer = self.lightning_module.trainer
-        self.balancer.history.append((trainer.global_step, layout.split, scaled))
-        assert self.stack is not None
-        self._epoch.k_changed(trainer, self.stack.num_replicas)  # (Lightning's count of the epoch's steps follows)
-        left_out = self._grouped.samples_left_out_of_pass()
-        if left_out * 10 > sampler.samples_per_epoch():
-            rank_zero_warn(
-                f"crossbow: with the new learners per rank {layout.split} and per-replica batch sizes"
-                f" {layout.batch_sizes}, the last {left_out} of this epoch's {sampler.samples_per_epoch()} samples fill"
-                f" no step and are skipped (in later epochs {sampler.skipped_samples(layout)})."
-            )
-        models = ", ".join(
-            f"{1e3 * m.fixed:.2f} + {1e3 * m.per_learner:.2f} u" for m in self.balancer.step_times() or ()
-        )
-        batches = ""
-        if layout.batch_sizes != current.batch_sizes:
-            batches = f", per-replica batch sizes {current.batch_sizes} -> {layout.batch_sizes}"
-            batches += f" ({sampler.skipped_samples()} samples an epoch fill no step)"
-        rank_zero_info(
-            f"crossbow: busy ms per step by rank (u: learners x batch / DataLoader's batch): {models}; learners per"
-            f" rank {self._split} -> {layout.split}{batches} from group {first_free_group} of the data order."
-        )
+        room = self._room_for_learners()
+        scheduled = self._layouts.rebalance(self._grouped, room, self._all_gather_rows, trainer.global_step)
+        if scheduled is not None:
+            self._epoch.k_changed(trainer, self.stack.num_replicas)
+            self._layouts.report(*scheduled, self._grouped)
 
     def _ends_an_epoch(self) -> bool:
         """Whether this step is the last of its epoch (also of a loader without a length: the batch Lightning fetched
@@ -1610,7 +1536,7 @@ class CrossbowStrategy(DDPStrategy):
         if self._step_started is None:
             return
         elapsed = time.perf_counter() - self._step_started
-        batch_size = self._layout_in_force().batch_sizes[self.global_rank] if self.routing else self._batch_size
+        batch_size = self._layouts.own_batch_size() if self._layouts is not None else self._batch_size
         if elapsed > 0 and batch_size:
             rate = self.replicas_per_device * batch_size / elapsed
             previous = self.samples_per_second
@@ -1799,19 +1725,13 @@ class CrossbowStrategy(DDPStrategy):
             # check
             "validation_checks_done": self._epoch.checks_to_save(step_ended=not in_flight),
             "replica_ceiling": self.replica_ceiling,  # set by an out-of-memory back-off
-            "split": self._split if self.routing is not None else None,  # heterogeneous mode: learners per rank
-            # and those of the last change scheduled (by the balancer or set_replicas_per_device), if not in force yet,
-            # with the number of groups between the last one trained and the one it starts at
-            "next_split": (
-                (self.routing.latest, self.routing.latest_from - self.routing.groups_trained)
-                if self._layout_change_scheduled()
-                else None
+            # heterogeneous mode: the learners per rank and each rank's per-replica batch size, in force and in a
+            # change scheduled (by the balancer or set_replicas_per_device) and not in force yet (LearnerLayouts)
+            **(
+                self._layouts.checkpoint_entries()
+                if self._layouts is not None
+                else dict.fromkeys(("split", "next_split", "batch_sizes", "batch_sizes_of_loader", "next_batch_sizes"))
             ),
-            # each rank's per-replica batch size, where the balancer gave some ranks larger ones (max_batch_scale),
-            # now and in the change scheduled
-            "batch_sizes": self._scaled_batch_sizes(),
-            "batch_sizes_of_loader": self.routing.batch_size if self.routing is not None else None,
-            "next_batch_sizes": self.routing.latest_scaled_batch_sizes if self._layout_change_scheduled() else None,
             "world_size": self.world_size,
             "last_lrs": self._last_lrs,
             "lrs_before_last": self._lrs_before_last,
@@ -1992,36 +1912,20 @@ class CrossbowStrategy(DDPStrategy):
             self._resumed_routed_place = (int(place[0]), int(place[1]))
 
     def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:
-        """Heterogeneous mode: carries on with the checkpoint's learners per rank when it has as many ranks
-        and, unless k is tuned, as many learners in all, and with a change of them it had scheduled; returns whether
-        it did."""
-        assert self.routing is not None and self.stack is not None
-        if state is None or state["world_size"] != self.world_size:
+        """Heterogeneous mode: carries on with the checkpoint's learners per rank where it can
+        (:meth:`LearnerLayouts.restore`); returns whether it did."""
+        assert self._layouts is not None and self.stack is not None
+        if state is None:
             return False
-        # (a checkpoint of the uniform path holds an even split)
-        split = tuple(state["split"]) if state.get("split") else (state["replicas_per_device"],) * self.world_size
-        if sum(split) != self.num_learners and not self._carries_on_the_k_of(state):
+        split = self._layouts.restore(state, self._carries_on_the_k_of(state), self.num_learners)
+        if split is None:
             return False
-        batch_sizes = tuple(state["batch_sizes"]) if state.get("batch_sizes") else None
-        self._restored_batch_base = state.get("batch_sizes_of_loader")
-        self.routing.restart(split, batch_sizes)
-        self._split, self._batch_sizes = split, batch_sizes
         # Lightning may have counted the epoch's steps at an even split already (a loader made in configure_optimizers,
         # for estimated_stepping_batches): each epoch's count follows the restored learners and batch sizes, the
         # resumed one's too, also where it resumes in its middle
         self._epoch.follows_k = self._epoch.recount_at_next_batch = True
         if split[self.global_rank] != self.stack.num_replicas:
             self._resize_replicas(split[self.global_rank])
-        assert self.balancer is not None
-        self.balancer.history = [(0, split, batch_sizes)]
-        next_split, groups_before = state.get("next_split") or (None, 0)
-        if next_split is not None and (sum(next_split) == sum(split) or self._carries_on_the_k_of(state)):
-            # A change scheduled and not in force yet goes on, as many groups after the first as it would have come
-            # after the next one (a group drawn ahead and not trained may have put it later): the replicas follow
-            # when its group arrives (on_train_batch_start).
-            next_sizes = tuple(state["next_batch_sizes"]) if state.get("next_batch_sizes") else None
-            self.routing.schedule(tuple(next_split), groups_before, next_sizes)
-            self.balancer.history.append((0, tuple(next_split), next_sizes))
         return True
 
     # ------------------------------------------------------------------------------ teardown
@@ -2029,10 +1933,9 @@ class CrossbowStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.stack is not None and self._final_state is None:
             self._keep_state_of_a_failed_fit()
-        if self.routing is not None:  # a later fit starts from the mean k at an even split, on every rank alike
+        if self._layouts is not None:  # a later fit starts from the mean k at an even split, on every rank alike
             self.replicas_per_device = self.tuned_replicas_per_device
-            self.routing = None
-            self._split = self._batch_sizes = None
+            self._layouts = None
         if self._mean_gradients is not None:
             self._mean_gradients.remove()
             self._mean_gradients = None

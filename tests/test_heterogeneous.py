@@ -271,6 +271,17 @@ def test_one_process_heterogeneous_mode_gives_the_uniform_paths_values() -> None
         assert torch.equal(a, b)
 
 
+def test_the_strategy_tells_the_layout_in_force_during_a_fit_only() -> None:
+    class ReadsTheLayout(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            self.layout = trainer.strategy.layout
+
+    reads, strategy = ReadsTheLayout(), CrossbowStrategy(replicas_per_device=4, heterogeneous=True)
+    trainer(strategy=strategy, max_epochs=1, callbacks=[reads]).fit(Classifier(), loader(make_data(num_samples=96)))
+    assert reads.layout == Layout(split=(4,), batch_sizes=(8,))
+    assert strategy.layout is None and CrossbowStrategy(replicas_per_device=4).layout is None
+
+
 def test_a_loader_with_workers_is_routed_as_one_without() -> None:
     """The routed batch sampler draws in the training process and hands each worker a batch's indices: a loader
     with a worker process trains on the same batches as one without, bitwise."""
