@@ -219,6 +219,7 @@ _OWN_ATTRIBUTES = (
     "_fetcher",
     "plan",
     "routed_sampler",
+    "_resume_place",
     "_resume_at",
     "_restart_counted",
     "_ends_when_counted",
@@ -446,17 +447,23 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         super().__init__(loader, self.plan.share(self.plan.groups_trained)[1])
         self.current_group = -1  #: the group of the last batches handed out
         self._order_samples_taken = 0  # in the current pass, by the groups of every rank
+        #: (epoch, groups, samples) of a pass saved in its middle that the pass of that epoch goes on with
+        self._resume_place: Optional[tuple[int, int, int]] = None
 
-    def resume_pass_at(self, groups: int, samples: int) -> None:
-        """The next pass goes on with one saved in its middle: ``groups`` groups of it were trained, which took its
-        order's first ``samples`` samples. It counts on from those groups and draws the rest of the order, cut at
-        the layout in force now (whatever it was before), so the epoch still takes each sample at most once."""
-        self._resume_at = (groups, 0)
-        self.routed_sampler.start_next_pass_at(samples)
+    def resume_pass_at(self, epoch: int, groups: int, samples: int) -> None:
+        """The pass of ``epoch`` goes on with one saved in its middle: ``groups`` groups of it were trained, which
+        took its order's first ``samples`` samples. It counts on from those groups and draws the rest of the order,
+        cut at the layout in force now (whatever it was before), so the epoch still takes each sample at most once.
+        Until it starts, the loader's length is that pass's: the groups trained and those the rest makes (Lightning
+        reads it for the resumed epoch's count). A pass of another epoch (the resumed one had no group left) starts
+        afresh."""
+        self._resume_place = (epoch, groups, samples)
 
     def place_in_pass(self, in_flight: bool) -> tuple[int, int]:
         """``(groups, samples)`` of the current pass trained so far, for :meth:`resume_pass_at`; ``in_flight``: the
         last group handed out is not trained (its step did not end)."""
+        if self._resume_place is not None:  # (the resumed pass has not started)
+            return self._resume_place[1:]
         if not in_flight:
             return self.groups_yielded, self._order_samples_taken
         in_flight_samples = sum(self.plan.learner_batch_sizes(self.current_group))
@@ -467,7 +474,13 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         return self.plan.share(self.plan.groups_trained)[1]
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
-        self._order_samples_taken = self.routed_sampler.next_pass_starts_at  # (a pass resumed in its middle)
+        place, self._resume_place = self._resume_place, None
+        epoch, groups, samples = place if place is not None else (None, 0, 0)
+        if epoch != self.routed_sampler.epoch:  # (a pass of another epoch than the one saved in its middle)
+            groups = samples = 0
+        self._resume_at = (groups, 0) if samples else None  # (the pass counts on from its groups trained)
+        self.routed_sampler.start_next_pass_at(samples)
+        self._order_samples_taken = samples
         # Groups the last pass drew ahead of training (prefetching; limit_train_batches, max_steps), or found no
         # room for, were never trained: the new pass draws from where training is (every rank is there too).
         self.plan.groups_drawn = self.plan.groups_trained
@@ -501,10 +514,13 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         return max(0, self._rest_of_pass()[1])
 
     def _rest_of_pass(self) -> tuple[int, int]:
-        """``(groups of the current pass, samples of the order no group takes)``, each group at its own layout."""
+        """``(groups of the current pass, samples of the order no group takes)``, each group at its own layout (of
+        the pass resumed in its middle, while it has not started)."""
         sampler = self.routed_sampler
-        remaining = sampler.samples_per_epoch() - self._order_samples_taken
-        groups, group = self.groups_yielded, self.plan.groups_trained
+        groups, taken = self._resume_place[1:] if self._resume_place is not None else (None, None)
+        if groups is None or taken is None:
+            groups, taken = self.groups_yielded, self._order_samples_taken
+        remaining, group = sampler.samples_per_epoch() - taken, self.plan.groups_trained
         while remaining > 0 and group_fits(remaining, sizes := self.plan.learner_batch_sizes(group), sampler.drop_last):
             remaining -= sum(sizes)
             groups += 1
@@ -512,6 +528,8 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         return groups, remaining
 
     def __len__(self) -> int:
+        if self._resume_place is not None:  # (the resumed pass, not started: its groups, which Lightning counts)
+            return self._rest_of_pass()[0]
         return self.routed_sampler.groups_per_epoch()
 
     @override

@@ -226,6 +226,11 @@ class RoutedBatchSampler(BatchSampler):
         #: Where in the order the next pass starts (a pass resumed in its middle; see :meth:`start_next_pass_at`).
         self.next_pass_starts_at = 0
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the order is drawn for (Lightning sets it on the order, the batch sampler's ``sampler``)."""
+        return getattr(self.sampler, "epoch", 0)
+
     def start_next_pass_at(self, sample: int) -> None:
         """The next pass draws the order from its ``sample``-th index on: the rest of a pass saved in its middle, whose
         groups before it every rank trained (the order and its cut are the same on every rank, so is the place)."""

@@ -301,9 +301,9 @@ class CrossbowStrategy(DDPStrategy):
         #: The same, less a group whose step had not ended when the checkpoint was saved (saved from an exception in
         #: it): what a loader that does not save its place counts on from.
         self._resumed_pass_trained: Optional[tuple[int, int]] = None
-        #: Heterogeneous mode: (groups, samples of the common order) of the epoch trained before the checkpoint this
-        #: fit resumes from in that epoch's middle, until its routed loader is made (or told); else None.
-        self._resumed_routed_place: Optional[tuple[int, int]] = None
+        #: Heterogeneous mode: (epoch, groups, samples of the common order) of the epoch trained before the checkpoint
+        #: this fit resumes from in that epoch's middle, until its routed loader is made (or told); else None.
+        self._resumed_routed_place: Optional[tuple[int, int, int]] = None
         #: Heterogeneous mode: a fit resumed in an epoch's middle from a checkpoint without a place in the common
         #: order (of the uniform path), whose epoch draws its data from the order's start: warned at its first step.
         self._routed_place_unknown = False
@@ -1746,9 +1746,8 @@ class CrossbowStrategy(DDPStrategy):
     def _routed_step_in_flight(self) -> bool:
         """Heterogeneous mode: whether the last group handed out is one whose step Lightning has not counted processed
         (a checkpoint saved from an exception raised in the step, or in a hook before it)."""
-        assert self._grouped is not None
-        trained = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return self._grouped.groups_yielded > trained
+        progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current
+        return progress.ready > progress.processed
 
     def _batches_in_flight(self) -> int:
         """Batches of a group drawn for a step that Lightning has not counted processed (a checkpoint saved from an
@@ -1798,8 +1797,8 @@ class CrossbowStrategy(DDPStrategy):
         if regained:  # parameters that got replicas once unfrozen get them again, in the buckets they had
             self._give_replicas_to(regained)
         if self.routing is not None:
-            self._restore_routed_place(state, step_ended=trained == drawn)
             same_layout = self._restore_split(state)
+            self._restore_routed_place(state, step_ended=trained == drawn)
         else:
             # (a heterogeneous run's checkpoint with different learners per rank re-seeds)
             even = state is not None and len(set(state.get("split") or (0,))) == 1
@@ -1905,11 +1904,14 @@ class CrossbowStrategy(DDPStrategy):
         if place is None:
             self._routed_place_unknown = bool(state.get("pass_counts"))  # (the uniform path's, in the epoch's middle)
             return
-        grouped = self._grouped
+        trainer = self.lightning_module.trainer
+        epoch, grouped = trainer.fit_loop.epoch_progress.current.processed, self._grouped
         if isinstance(grouped, RoutedBatchLoader) and grouped.plan is self.routing:  # made in configure_optimizers
-            grouped.resume_pass_at(*place)
+            assert self.stack is not None
+            grouped.resume_pass_at(epoch, *place)
+            self._epoch.fit_epoch_length(trainer, self.stack.num_replicas)  # (Lightning counted before the restore)
         else:
-            self._resumed_routed_place = (int(place[0]), int(place[1]))
+            self._resumed_routed_place = (epoch, int(place[0]), int(place[1]))
 
     def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:
         """Heterogeneous mode: carries on with the checkpoint's learners per rank where it can

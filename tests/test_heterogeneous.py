@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset, WeightedRandomSampler
 
@@ -364,6 +364,71 @@ def test_a_resume_with_other_learners_in_an_epochs_middle_trains_the_rest_of_its
     assert len(resumed_seen.epochs[1]) == 2 * 3 and len(epoch) == 32 + 48
     assert len(torch.unique(epoch, dim=0)) == len(epoch)
     assert 0 not in resumed_seen.epochs  # (epoch 0 was done before the checkpoint)
+
+
+class StepsAndValidations(Callback):
+    """Each step's (epoch, batch_idx, whether Lightning marks it the epoch's last) and each validation's (epoch,
+    global step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, bool]] = []
+        self.validations: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.steps.append((trainer.current_epoch, batch_idx, trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
+
+    def on_validation_start(self, trainer: Any, *args: Any) -> None:
+        self.validations.append((trainer.current_epoch, trainer.global_step))
+
+
+def _validated_fit(k: int, samples: int, *callbacks: Callback, ckpt_path: Any = None, **kwargs: Any) -> dict:
+    """One process, heterogeneous mode, shuffled batches of 8, 2 epochs, validation on 2 batches."""
+    seen, steps = BatchesSeen(), StepsAndValidations()
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=k, heterogeneous=True),
+        max_epochs=2,
+        callbacks=[seen, steps, *callbacks],
+        enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
+        **kwargs,
+    )
+    validation = loader(make_data(num_samples=16, seed=1))
+    fit.fit(Classifier(lr=0.1), loader(make_data(num_samples=samples), shuffle=True), validation, ckpt_path=ckpt_path)
+    return {"seen": seen.epochs, "steps": steps.steps, "validations": steps.validations, "global_step": fit.global_step}
+
+
+def test_a_resume_at_fewer_steps_an_epoch_than_were_done_finishes_that_epoch_and_marks_its_last_step(
+    tmp_path: Path,
+) -> None:
+    """Saved at k=2 after 4 of epoch 0's 6 steps (64 of 96 samples), resumed at k=4 (3 steps an epoch): the rest of
+    epoch 0, 32 samples, is one step, Lightning's 5th of that epoch, marked its last, then epoch 0 validates (before,
+    Lightning's count, 3, fell below the steps done: it began the epoch's count again, marked no step last and
+    skipped epoch 0's validation). A checkpoint saved after that step holds epoch 0's whole order as trained: resumed
+    from it, epoch 0 trains nothing again."""
+    _validated_fit(2, 96, SaveAtStep(4, tmp_path / "a.ckpt"))
+    resumed = _validated_fit(4, 96, SaveAtStep(5, tmp_path / "b.ckpt"), ckpt_path=tmp_path / "a.ckpt")
+    assert resumed["steps"] == [(0, 4, True), (1, 0, False), (1, 1, False), (1, 2, True)]
+    assert resumed["validations"] == [(0, 5), (1, 8)]
+    assert len(resumed["seen"][0]) == 4 and len(resumed["seen"][1]) == 3 * 4
+    again = _validated_fit(4, 96, ckpt_path=tmp_path / "b.ckpt")
+    assert again["steps"] == [(1, 0, False), (1, 1, False), (1, 2, True)] and 0 not in again["seen"]
+
+
+def test_a_checkpoint_of_a_validation_in_an_epochs_middle_resumed_at_another_k_trains_the_rest_of_that_epoch(
+    tmp_path: Path,
+) -> None:
+    """k=2, 128 samples (8 steps an epoch), val_check_interval=0.5: ModelCheckpoint saves after the validation at step
+    4, and the fit resumes at k=4 (Lightning counts 4 steps an epoch, as many as were done): the other 64 samples of
+    epoch 0 make 2 steps, then epoch 1 trains its 4 (before, epoch 0 ended at once, and epoch 1 went on from epoch
+    0's place in the order: 64 of its samples never trained)."""
+    saves = ModelCheckpoint(tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=None)
+    straight = _validated_fit(2, 128, saves, val_check_interval=0.5)
+    assert (0, 4) in straight["validations"]
+    resumed = _validated_fit(4, 128, ckpt_path=tmp_path / "step=4.ckpt", val_check_interval=0.5)
+    assert resumed["global_step"] == 4 + 2 + 4
+    first_half = torch.cat(straight["seen"][0][:8])
+    rest_of_epoch_0 = torch.cat(resumed["seen"][0])
+    assert len(rest_of_epoch_0) == 64 and len(torch.unique(torch.cat([first_half, rest_of_epoch_0]), dim=0)) == 128
+    assert len(torch.unique(torch.cat(resumed["seen"][1]), dim=0)) == 128
 
 
 class FailAtStep(Callback):
