@@ -219,7 +219,7 @@ _OWN_ATTRIBUTES = (
     "_fetcher",
     "plan",
     "routed_sampler",
-    "_resume_place",
+    "_saved_place",
     "_resume_at",
     "_restart_counted",
     "_ends_when_counted",
@@ -447,8 +447,9 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         super().__init__(loader, self.plan.share(self.plan.groups_trained)[1])
         self.current_group = -1  #: the group of the last batches handed out
         self._order_samples_taken = 0  # in the current pass, by the groups of every rank
-        #: (epoch, groups, samples) of a pass saved in its middle that the pass of that epoch goes on with
-        self._resume_place: Optional[tuple[int, int, int]] = None
+        #: (epoch, groups, samples of the order) of a pass saved in its middle, which the pass of that epoch goes on
+        #: with (:meth:`resume_pass_at`; the base class's ``_resume_at`` counts that pass on from its groups)
+        self._saved_place: Optional[tuple[int, int, int]] = None
 
     def resume_pass_at(self, epoch: int, groups: int, samples: int) -> None:
         """The pass of ``epoch`` goes on with one saved in its middle: ``groups`` groups of it were trained, which
@@ -456,14 +457,22 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         cut at the layout in force now (whatever it was before), so the epoch still takes each sample at most once.
         Until it starts, the loader's length is that pass's: the groups trained and those the rest makes (Lightning
         reads it for the resumed epoch's count). A pass of another epoch (the resumed one had no group left) starts
-        afresh."""
-        self._resume_place = (epoch, groups, samples)
+        afresh. A place beyond this order's end (a smaller dataset than the checkpoint's) is not taken, with a
+        warning."""
+        if samples > self.routed_sampler.samples_per_epoch():
+            rank_zero_warn(
+                f"crossbow: the checkpoint's place in the common order (after {samples} samples) lies beyond the"
+                f" {self.routed_sampler.samples_per_epoch()} samples of this training set: the resumed epoch starts"
+                " the order again."
+            )
+            return
+        self._saved_place = (epoch, groups, samples)
 
     def place_in_pass(self, in_flight: bool) -> tuple[int, int]:
         """``(groups, samples)`` of the current pass trained so far, for :meth:`resume_pass_at`; ``in_flight``: the
         last group handed out is not trained (its step did not end)."""
-        if self._resume_place is not None:  # (the resumed pass has not started)
-            return self._resume_place[1:]
+        if self._saved_place is not None:  # (the resumed pass has not started)
+            return self._saved_place[1:]
         if not in_flight:
             return self.groups_yielded, self._order_samples_taken
         in_flight_samples = sum(self.plan.learner_batch_sizes(self.current_group))
@@ -474,7 +483,7 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         return self.plan.share(self.plan.groups_trained)[1]
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
-        place, self._resume_place = self._resume_place, None
+        place, self._saved_place = self._saved_place, None
         epoch, groups, samples = place if place is not None else (None, 0, 0)
         if epoch != self.routed_sampler.epoch:  # (a pass of another epoch than the one saved in its middle)
             groups = samples = 0
@@ -517,8 +526,9 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         """``(groups of the current pass, samples of the order no group takes)``, each group at its own layout (of
         the pass resumed in its middle, while it has not started)."""
         sampler = self.routed_sampler
-        groups, taken = self._resume_place[1:] if self._resume_place is not None else (None, None)
-        if groups is None or taken is None:
+        if self._saved_place is not None:
+            _, groups, taken = self._saved_place
+        else:
             groups, taken = self.groups_yielded, self._order_samples_taken
         remaining, group = sampler.samples_per_epoch() - taken, self.plan.groups_trained
         while remaining > 0 and group_fits(remaining, sizes := self.plan.learner_batch_sizes(group), sampler.drop_last):
@@ -528,7 +538,7 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         return groups, remaining
 
     def __len__(self) -> int:
-        if self._resume_place is not None:  # (the resumed pass, not started: its groups, which Lightning counts)
+        if self._saved_place is not None:  # (the resumed pass, not started: its groups, which Lightning counts)
             return self._rest_of_pass()[0]
         return self.routed_sampler.groups_per_epoch()
 

@@ -87,13 +87,12 @@ class LearnerLayouts:
         return self.plan.learner_weights(group, steps_since_averaging - 1)
 
     # ---------------------------------------------------------------------------- scheduled
-    def schedule_k(self, num_learners: int, ranks: int, first_free_group: int, step: int) -> Split:
+    def schedule_k(self, num_learners: int, ranks: int, first_free_group: int, step: int) -> None:
         """A new k: ``num_learners`` learners split by the speeds measured last, from ``first_free_group`` (the
         first group no rank has drawn), at the DataLoader's batch size (the next window sizes the batches)."""
         split = self.balancer.split_for(num_learners, ranks)
         self.plan.schedule(split, first_free_group)
         self.balancer.history.append((step, split, None))
-        return split
 
     def rebalance(
         self, loader: RoutedBatchLoader, room: int, all_gather: Callable[[Tensor], Tensor], step: int
@@ -138,13 +137,15 @@ class LearnerLayouts:
         )
 
     # --------------------------------------------------------------------------- checkpoints
-    def checkpoint_entries(self) -> dict[str, Any]:
-        """The layouts a checkpoint keeps: in force, and scheduled (with the groups between the last one trained
-        and the one it starts at), and the DataLoader batch size the batch sizes were sized for."""
+    def checkpoint_entries(self, step_in_flight: bool) -> dict[str, Any]:
+        """The layouts a checkpoint keeps: in force, and scheduled (with the groups between the first one not
+        trained, which a resume trains first, and the one it starts at), and the DataLoader batch size the batch
+        sizes were sized for. ``step_in_flight``: the last group handed out is not trained (its step did not end)."""
         scheduled = self.change_scheduled()
+        untrained = self.plan.groups_trained - int(step_in_flight)
         return {
             "split": self.split,
-            "next_split": (self.plan.latest, self.plan.latest_from - self.plan.groups_trained) if scheduled else None,
+            "next_split": (self.plan.latest, max(0, self.plan.latest_from - untrained)) if scheduled else None,
             "batch_sizes": self.scaled_batch_sizes(),
             "batch_sizes_of_loader": self.plan.batch_size,
             "next_batch_sizes": self.plan.latest_scaled_batch_sizes if scheduled else None,

@@ -693,7 +693,7 @@ class CrossbowStrategy(DDPStrategy):
             )
         assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
         order = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
-        routed = RoutedBatchSampler(order, dataloader.batch_size, dataloader.drop_last, self.routing)
+        routed = RoutedBatchSampler(order, dataloader.batch_size, dataloader.drop_last, self._layouts.plan)
         self._layouts.check_restored_batch_sizes()
         # the user's loader (its workers, collate_fn, pin_memory...) made again over the routed batches
         args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, order, mode=RunningStage.TRAINING)
@@ -897,7 +897,7 @@ class CrossbowStrategy(DDPStrategy):
                 self.stack.reset_replicas_(module)
         engine = self.engine if not module.trainer.fit_loop._skip_backward else self._forward_only_engine()
         with self.precision_plugin.train_step_context():
-            self._replicas_in_module = self.stack.num_replicas > 1
+            self._replicas_in_module = self.num_learners > 1  # (K: every rank refuses alike)
             try:
                 output = engine.run(self.stack, batches, rest, self._log_capture)
             finally:
@@ -1029,7 +1029,8 @@ class CrossbowStrategy(DDPStrategy):
         assert self._grouped is not None and trainer is not None
         if self._layouts is not None:
             # K = k x world_size learners, split by the speeds measured last, from a group no rank has drawn.
-            first_free_group = int(self._all_gather_rows(torch.tensor([float(self.routing.groups_drawn)]))[:, 0].max())
+            drawn = torch.tensor([float(self._layouts.plan.groups_drawn)])
+            first_free_group = int(self._all_gather_rows(drawn)[:, 0].max())
             self._layouts.schedule_k(
                 replicas_per_device * self.world_size, self.world_size, first_free_group, trainer.global_step
             )
@@ -1638,10 +1639,10 @@ class CrossbowStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._replicas_in_module:
             raise RuntimeError(
-                "crossbow: a checkpoint was saved inside training_step, where the module holds the replicas' weights"
-                f" ({self.replicas_per_device} replicas run the step), not the central model that a checkpoint holds."
-                " Save it from a hook outside the step's forward: on_train_batch_end, on_before_optimizer_step, or a"
-                " callback such as ModelCheckpoint(every_n_train_steps=...)."
+                "crossbow: a checkpoint was saved inside training_step, where the module holds the learners' weights"
+                f" ({self.num_learners} learners run the step), not the central model that a checkpoint holds. Save it"
+                " from a hook after the step: on_train_batch_end, or a callback such as"
+                " ModelCheckpoint(every_n_train_steps=...)."
             )
         self.sync_center()
         return super().lightning_module_state_dict()
@@ -1728,7 +1729,7 @@ class CrossbowStrategy(DDPStrategy):
             # heterogeneous mode: the learners per rank and each rank's per-replica batch size, in force and in a
             # change scheduled (by the balancer or set_replicas_per_device) and not in force yet (LearnerLayouts)
             **(
-                self._layouts.checkpoint_entries()
+                self._layouts.checkpoint_entries(self._routed_step_in_flight())
                 if self._layouts is not None
                 else dict.fromkeys(("split", "next_split", "batch_sizes", "batch_sizes_of_loader", "next_batch_sizes"))
             ),
@@ -1902,16 +1903,25 @@ class CrossbowStrategy(DDPStrategy):
             return
         place = state.get("routed_place")
         if place is None:
-            self._routed_place_unknown = bool(state.get("pass_counts"))  # (the uniform path's, in the epoch's middle)
+            self._routed_place_unknown = True  # (the uniform path's, or an earlier version's)
             return
         trainer = self.lightning_module.trainer
-        epoch, grouped = trainer.fit_loop.epoch_progress.current.processed, self._grouped
-        if isinstance(grouped, RoutedBatchLoader) and grouped.plan is self.routing:  # made in configure_optimizers
-            assert self.stack is not None
-            grouped.resume_pass_at(epoch, *place)
+        epoch = trainer.fit_loop.epoch_progress.current.processed
+        self._epoch.follows_k = True  # (the epochs after the resumed one are counted again as they start)
+        if self._loader_made_before_the_restore(trainer):  # (configure_optimizers read estimated_stepping_batches)
+            assert isinstance(self._grouped, RoutedBatchLoader) and self.stack is not None
+            self._grouped.resume_pass_at(epoch, *place)
             self._epoch.fit_epoch_length(trainer, self.stack.num_replicas)  # (Lightning counted before the restore)
         else:
             self._resumed_routed_place = (epoch, int(place[0]), int(place[1]))
+
+    def _loader_made_before_the_restore(self, trainer: "pl.Trainer") -> bool:
+        """Heterogeneous mode: whether this fit's routed loader was made before the checkpoint's restore (in
+        ``configure_optimizers``, for ``estimated_stepping_batches``) and is the one that trains next (not made again
+        when the resumed epoch starts, by ``reload_dataloaders_every_n_epochs``)."""
+        grouped = self._grouped
+        made = isinstance(grouped, RoutedBatchLoader) and grouped.plan is self.routing
+        return made and not trainer.fit_loop._should_reload_train_dl
 
     def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:
         """Heterogeneous mode: carries on with the checkpoint's learners per rank where it can
@@ -1926,6 +1936,8 @@ class CrossbowStrategy(DDPStrategy):
         # for estimated_stepping_batches): each epoch's count follows the restored learners and batch sizes, the
         # resumed one's too, also where it resumes in its middle
         self._epoch.follows_k = self._epoch.recount_at_next_batch = True
+        if self._loader_made_before_the_restore(self.lightning_module.trainer):
+            self._layouts.check_restored_batch_sizes()  # (done as the loader is made, otherwise)
         if split[self.global_rank] != self.stack.num_replicas:
             self._resize_replicas(split[self.global_rank])
         return True

@@ -940,7 +940,7 @@ def test_a_checkpoint_saved_inside_training_step_is_refused_saying_where_to_save
     model = SavesInItsStep()
     model.path = tmp_path / "in_step.ckpt"
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine=engine), max_epochs=1)
-    with pytest.raises(RuntimeError, match="saved inside training_step, .* Save it from a hook outside"):
+    with pytest.raises(RuntimeError, match="saved inside training_step, .* Save it from a hook after the step"):
         fit.fit(model, loader(make_data(num_samples=64)))
     assert not model.path.exists()
 

@@ -454,6 +454,70 @@ def test_a_checkpoint_saved_from_a_failed_step_resumes_at_that_steps_group(tmp_p
         assert torch.equal(a, b)
 
 
+class ChangeKAtStep(Callback):
+    def __init__(self, step: int, k: int) -> None:
+        self.step, self.k = step, k
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.strategy.set_replicas_per_device(self.k)
+
+
+def test_a_failed_step_whose_group_starts_a_scheduled_change_resumes_with_that_change_at_its_group(
+    tmp_path: Path,
+) -> None:
+    """k=4 -> 2 is asked for after step 4, from the next group; step 5 fails before the new k is in force, and
+    OnExceptionCheckpoint saves. The change is counted from the first group not trained, the failed one, which the
+    resumed fit trains first (counted from the group handed out, it was due one group before the first: a crash,
+    'group -1 is already drawn'): the resumed fit ends as the one that did not fail, bitwise."""
+    straight, _ = _shuffled_heterogeneous_fit(4, ChangeKAtStep(4, 2))
+    with pytest.raises(RuntimeError, match="a failure in the middle"):
+        _shuffled_heterogeneous_fit(
+            4, ChangeKAtStep(4, 2), FailAtStep(4), OnExceptionCheckpoint(tmp_path, filename="failed")
+        )
+    resumed, resumed_seen = _shuffled_heterogeneous_fit(4, ckpt_path=tmp_path / "failed.ckpt")
+    assert [len(group) for group in resumed_seen.epochs[1]] == [8] * 8  # (4 steps of 2 batches)
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_loader_made_before_the_restore_and_made_again_for_the_resumed_epoch_gets_its_place(tmp_path: Path) -> None:
+    """configure_optimizers reads estimated_stepping_batches (the loader is made before the restore) and
+    reload_dataloaders_every_n_epochs=1 makes it again when the resumed epoch starts: the new loader goes on at the
+    checkpoint's place (before, the place went to the first loader, which never trained: the epoch drew its order
+    from the start again)."""
+
+    class ReadsEstimatedSteps(Classifier):
+        def configure_optimizers(self) -> Any:
+            self.estimate = self.trainer.estimated_stepping_batches
+            return super().configure_optimizers()
+
+    def fit(*callbacks: Callback, ckpt_path: Any = None) -> tuple[Classifier, BatchesSeen]:
+        seen, model = BatchesSeen(), ReadsEstimatedSteps(lr=0.1)
+        strategy = CrossbowStrategy(replicas_per_device=4, heterogeneous=True)
+        fit = trainer(
+            strategy=strategy, max_epochs=2, callbacks=[seen, *callbacks], reload_dataloaders_every_n_epochs=1
+        )
+        fit.fit(model, loader(make_data(num_samples=96), shuffle=True), ckpt_path=ckpt_path)
+        return model, seen
+
+    straight, straight_seen = fit(SaveAtStep(4, tmp_path / "step4.ckpt"))
+    resumed, resumed_seen = fit(ckpt_path=tmp_path / "step4.ckpt")
+    assert torch.equal(torch.cat(resumed_seen.epochs[1]), torch.cat(straight_seen.epochs[1][4:]))
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_place_beyond_a_smaller_training_sets_order_starts_the_order_again_saying_so(tmp_path: Path) -> None:
+    """Saved after 64 of epoch 1's 96 samples (step 5), resumed over 40 samples: the place is not taken."""
+    _shuffled_heterogeneous_fit(4, SaveAtStep(5, tmp_path / "step5.ckpt"))
+    strategy = CrossbowStrategy(replicas_per_device=4, heterogeneous=True)
+    with pytest.warns(UserWarning, match=r"place in the common order \(after 64 samples\) lies beyond the 40 samples"):
+        trainer(strategy=strategy, max_epochs=2).fit(
+            Classifier(lr=0.1), loader(make_data(num_samples=40), shuffle=True), ckpt_path=tmp_path / "step5.ckpt"
+        )
+
+
 def test_a_uniform_checkpoint_from_an_epochs_middle_resumes_heterogeneous_mode_at_the_orders_start_saying_so(
     tmp_path: Path,
 ) -> None:
