@@ -67,3 +67,9 @@ def all_gather_rows(row: Tensor) -> Tensor:
     rows = [torch.empty_like(row) for _ in range(world)]
     dist.all_gather(rows, row)
     return torch.stack(rows)
+
+
+def destroy_process_group_at_exit() -> None:
+    """Ends the process group, if one is up (registered with ``atexit`` once per process by the strategy)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

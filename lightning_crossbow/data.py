@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from itertools import chain, islice
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
@@ -32,6 +33,9 @@ from typing_extensions import override
 
 from lightning_crossbow.routing import RoutedBatchSampler, RoutingPlan, group_fits
 from lightning_crossbow.validation import check_int
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 def loader_length(loader: object) -> Optional[int]:
@@ -552,3 +556,38 @@ class RoutedBatchLoader(ReplicaBatchLoader):
     def batch_size(self) -> int:
         """The user's DataLoader's batch size (the re-made loader's own is None: it takes a batch sampler)."""
         return self.routed_sampler.batch_size
+
+
+#: The LightningModule hooks that move a batch: where a user overrides one, each replica's batch goes through it alone.
+TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def moved_tensors(batch: Union[tuple[Tensor, ...], list[Tensor]], device: torch.device) -> Any:
+    """A tuple or list of tensors moved to ``device`` as Lightning's default ``transfer_batch_to_device`` moves each
+    (``non_blocking`` where it is not the CPU or MPS)."""
+    if device.type in ("cpu", "mps"):
+        return type(batch)(tensor.to(device) for tensor in batch)
+    return type(batch)(tensor.to(device, non_blocking=True) for tensor in batch)
+
+
+def group_as_it_is(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:
+    """The module's ``on_before_batch_transfer`` dispatch for a fit whose transfer hooks are the user's: a group of
+    the replicas' batches passes as it is (:meth:`CrossbowStrategy.batch_to_device` calls the hook batch by batch,
+    each before its own transfer); any other batch goes to the hook. Bound to the module during fit."""
+    if isinstance(batch, ReplicaGroup):
+        return batch
+    return type(module)._on_before_batch_transfer(module, batch, dataloader_idx)
+
+
+def on_before_batch_transfer_per_batch(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:
+    """The module's ``on_before_batch_transfer`` hook (through Lightning's own dispatch), batch by batch for a
+    group of the replicas' batches. Bound to the module during fit under the name it replaces."""
+    hook = type(module)._on_before_batch_transfer
+    if isinstance(batch, ReplicaGroup):
+        return ReplicaGroup(hook(module, b, dataloader_idx) for b in batch)
+    return hook(module, batch, dataloader_idx)
+
+
+def saves_its_position(loader: object) -> bool:
+    """Whether Lightning saves and loads ``loader``'s own state in checkpoints (``state_dict``/``load_state_dict``)."""
+    return isinstance(loader, _Stateful)

@@ -881,3 +881,32 @@ def _plain_numbers(value: Any) -> bool:
 
 def _device_of(stack: ReplicaStack) -> torch.device:
     return stack.buckets[0].center.device if stack.buckets else torch.device("cpu")
+
+
+_AUTOGRAD_BACKWARD = torch.autograd.backward.__code__
+
+
+def raised_inside_autograd(error: BaseException) -> bool:
+    """Whether ``error`` was raised while ``torch.autograd.backward`` ran (not in a hook before or after it): an
+    error of the fused backward, after which a step may run again on the sequential engine."""
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code is _AUTOGRAD_BACKWARD:
+            return True
+        frame = frame.tb_next
+    return False
+
+
+def reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) -> Tensor:
+    """``total``, the sum of the replicas' losses, carrying the value of their mean: the step's loss that
+    Lightning hands to hooks and callbacks (``outputs["loss"]``), as plain Lightning hands a batch's loss.
+    The gradient is the sum's, unchanged (the added term is a constant): each replica still gets the
+    gradient of its own loss. Replicas that skipped the step (``skipped``; None: none) are not counted.
+
+    ``total - value`` is an exact zero for a finite sum (so the mean is rounded once, also in bfloat16); for a
+    non-finite one, ``value`` made finite keeps it ``±inf`` or NaN, which the mean then is too."""
+    if losses.numel() == 1:
+        return total
+    stepped = losses.numel() if skipped is None else int((~skipped).sum())
+    value = total.detach()  # (the sum of ``losses``, in which the replicas that skipped count 0)
+    return (total - value.nan_to_num()) + value / stepped

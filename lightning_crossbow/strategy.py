@@ -33,7 +33,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
@@ -65,12 +65,17 @@ from lightning_crossbow.algorithms import (
     restart_stranded_,
 )
 from lightning_crossbow.balancing import SpeedBalancer
-from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, pull_rows
+from lightning_crossbow.collectives import all_gather_rows, all_reduce_sum_, destroy_process_group_at_exit, pull_rows
 from lightning_crossbow.data import (
+    TRANSFER_HOOKS,
     ReplicaBatchLoader,
     ReplicaGroup,
     RoutedBatchLoader,
+    group_as_it_is,
     loader_length,
+    moved_tensors,
+    on_before_batch_transfer_per_batch,
+    saves_its_position,
     tensor_sequences,
 )
 from lightning_crossbow.engines import (
@@ -80,6 +85,8 @@ from lightning_crossbow.engines import (
     FastestEngine,
     SequentialEngine,
     make_engine,
+    raised_inside_autograd,
+    reported_as_mean,
 )
 from lightning_crossbow.epoch_counts import EpochCounts, limit_argument
 from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
@@ -113,7 +120,7 @@ from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan, 
 from lightning_crossbow.sigterm import SigtermVote
 from lightning_crossbow.streams import StreamPool
 from lightning_crossbow.tuner import ReplicaAutoTuner
-from lightning_crossbow.validation import check_int
+from lightning_crossbow.validation import check_int, check_lightning_arguments, optimizer_classes
 
 #: An LR decrease between two consecutive steps counts as a "drop" (and resets the replicas to z
 #: when ``reset_on_lr_drop``) when the new LR is at most this fraction of the old one and the old one
@@ -242,7 +249,7 @@ class CrossbowStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        _check_lightning_arguments(lightning_arguments)
+        check_lightning_arguments(lightning_arguments)
         super().__init__(**lightning_arguments)
         self.replicas_per_device = int(replicas_per_device)
         #: The k this strategy was made with (``replicas_per_device`` follows the changes made during fit).
@@ -256,7 +263,7 @@ class CrossbowStrategy(DDPStrategy):
         if not isinstance(reset_on_lr_drop, bool):
             raise ValueError(f"reset_on_lr_drop must be True or False, got {reset_on_lr_drop!r}.")
         self.reset_on_lr_drop = reset_on_lr_drop
-        self.elementwise_optimizers = _optimizer_classes(elementwise_optimizers)
+        self.elementwise_optimizers = optimizer_classes(elementwise_optimizers)
         #: Splits the learners by speed in heterogeneous mode (None otherwise).
         self.balancer: Optional[SpeedBalancer] = (
             heterogeneous if isinstance(heterogeneous, SpeedBalancer) else SpeedBalancer() if heterogeneous else None
@@ -426,8 +433,8 @@ class CrossbowStrategy(DDPStrategy):
             # Lightning registers this only for NCCL. With gloo, a process group still alive when the
             # interpreter finalizes can abort the exit (SIGABRT, "terminate called without an active
             # exception") after a successful fit; destroying it while Python is alive avoids that.
-            atexit.unregister(_destroy_process_group_at_exit)  # once, however many fits this process runs
-            atexit.register(_destroy_process_group_at_exit)
+            atexit.unregister(destroy_process_group_at_exit)  # once, however many fits this process runs
+            atexit.register(destroy_process_group_at_exit)
             return
         # One process needs no process group (and no port): collectives are identities. Nor does it re-seed, as
         # DDP does for its processes: plain Lightning on one device does not, so k=1 draws the same random numbers.
@@ -513,12 +520,12 @@ class CrossbowStrategy(DDPStrategy):
             self._show_gradients_zeroed_with_the_replicas(optimizer)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_per_replica  # type: ignore[method-assign]
         hooks_owners = [module, trainer.datamodule] if trainer.datamodule is not None else [module]
-        self._transfer_per_batch = any(is_overridden(hook, owner) for hook in _TRANSFER_HOOKS for owner in hooks_owners)
+        self._transfer_per_batch = any(is_overridden(hook, owner) for hook in TRANSFER_HOOKS for owner in hooks_owners)
         self._before_transfer_per_batch = any(is_overridden("on_before_batch_transfer", o) for o in hooks_owners)
         if self._before_transfer_per_batch:
             # Lightning's loop hands the whole group to on_before_batch_transfer: one batch at a time instead, each
             # right before its own transfer where the transfer hooks are the user's too (see batch_to_device).
-            hook = _group_as_it_is if self._transfer_per_batch else _on_before_batch_transfer
+            hook = group_as_it_is if self._transfer_per_batch else on_before_batch_transfer_per_batch
             module._on_before_batch_transfer = MethodType(hook, module)  # type: ignore[method-assign]
         self._last_lrs = self._lrs_before_last = None
         self._final_state = None
@@ -609,7 +616,7 @@ class CrossbowStrategy(DDPStrategy):
             trained, self._resumed_pass_trained = self._resumed_pass_trained, None
             grouped.counts_on_resume = counts
             self._epoch.fraction_as_steps(trainer, grouped)
-            if trained is not None and not _saves_its_position(dataloader):  # (one that does: Lightning loads it)
+            if trained is not None and not saves_its_position(dataloader):  # (one that does: Lightning loads it)
                 self._count_on_from_the_checkpoint(grouped, trained, pass_begun=False, step_ended=trained == counts)
             self._fit_loader = grouped
             batches_per_step, per_step = k, f"replicas_per_device={k}"
@@ -921,7 +928,7 @@ class CrossbowStrategy(DDPStrategy):
             # Lightning refuses a skipped step across processes, and the other ranks' averaging waits for this
             # one: a zero loss, attached to the replicas, gives them zero gradients (the rows are held and dropped).
             return sum(leaf.sum() for leaf in self.stack.params.values()) * 0.0
-        loss = _reported_as_mean(output.total, losses, output.skipped)
+        loss = reported_as_mean(output.total, losses, output.skipped)
         return {"loss": loss, **output.extras} if output.returned_dict else loss
 
     @override
@@ -966,7 +973,7 @@ class CrossbowStrategy(DDPStrategy):
             self._batch_starts_step
             and not isinstance(error, torch.cuda.OutOfMemoryError)  # (not vmap's doing)
             and not self.lightning_module.trainer.fit_loop._skip_backward  # (forwards only, run sequentially)
-            and _raised_inside_autograd(error)
+            and raised_inside_autograd(error)
             and self.engine.fall_back_after_backward(self.stack, self._log_capture)
         )
 
@@ -2014,7 +2021,7 @@ class CrossbowStrategy(DDPStrategy):
                 )
             if tensor_sequences(batch):
                 target = self.root_device if device is None else torch.device(device)
-                return ReplicaGroup(_moved_tensors(b, target) for b in batch)
+                return ReplicaGroup(moved_tensors(b, target) for b in batch)
         return super().batch_to_device(batch, device, dataloader_idx)  # the default hooks: one pass over the group
 
     @classmethod
@@ -2033,48 +2040,6 @@ class CrossbowStrategy(DDPStrategy):
         )
 
 
-_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
-
-
-def _raised_inside_autograd(error: BaseException) -> bool:
-    """Whether ``error`` was raised while ``torch.autograd.backward`` ran (not in a hook before or after it)."""
-    frame = error.__traceback__
-    while frame is not None:
-        if frame.tb_frame.f_code is _AUTOGRAD_BACKWARD:
-            return True
-        frame = frame.tb_next
-    return False
-
-
-_AUTOGRAD_BACKWARD = torch.autograd.backward.__code__
-
-
-def _moved_tensors(batch: Union[tuple[Tensor, ...], list[Tensor]], device: torch.device) -> Any:
-    """A tuple or list of tensors moved to ``device`` as Lightning's default ``transfer_batch_to_device`` moves each
-    (``non_blocking`` where it is not the CPU or MPS)."""
-    if device.type in ("cpu", "mps"):
-        return type(batch)(tensor.to(device) for tensor in batch)
-    return type(batch)(tensor.to(device, non_blocking=True) for tensor in batch)
-
-
-def _group_as_it_is(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:
-    """The module's ``on_before_batch_transfer`` dispatch for a fit whose transfer hooks are the user's: a group of
-    the replicas' batches passes as it is (:meth:`CrossbowStrategy.batch_to_device` calls the hook batch by batch,
-    each before its own transfer); any other batch goes to the hook. Bound to the module during fit."""
-    if isinstance(batch, ReplicaGroup):
-        return batch
-    return type(module)._on_before_batch_transfer(module, batch, dataloader_idx)
-
-
-def _on_before_batch_transfer(module: "pl.LightningModule", batch: Any, dataloader_idx: int = 0) -> Any:
-    """The module's ``on_before_batch_transfer`` hook (through Lightning's own dispatch), batch by batch for a
-    group of the replicas' batches. Bound to the module during fit under the name it replaces."""
-    hook = type(module)._on_before_batch_transfer
-    if isinstance(batch, ReplicaGroup):
-        return ReplicaGroup(hook(module, b, dataloader_idx) for b in batch)
-    return hook(module, batch, dataloader_idx)
-
-
 def lr_dropped(lrs: Sequence[float], last_lrs: Sequence[float], lrs_before: Optional[Sequence[float]]) -> bool:
     """Whether a param group's learning rate fell to at most ``LR_DROP_RATIO`` of its last value, which it had
     held for a step (``lrs_before``, the values a step earlier; None: unknown, as at a fit's second step, so no
@@ -2084,83 +2049,5 @@ def lr_dropped(lrs: Sequence[float], last_lrs: Sequence[float], lrs_before: Opti
     return any(new < old == prior and new <= LR_DROP_RATIO * old for new, old, prior in zip(lrs, last_lrs, lrs_before))
 
 
-def _reported_as_mean(total: Tensor, losses: Tensor, skipped: Optional[Tensor]) -> Tensor:
-    """``total``, the sum of the replicas' losses, carrying the value of their mean: the step's loss that
-    Lightning hands to hooks and callbacks (``outputs["loss"]``), as plain Lightning hands a batch's loss.
-    The gradient is the sum's, unchanged (the added term is a constant): each replica still gets the
-    gradient of its own loss. Replicas that skipped the step (``skipped``; None: none) are not counted.
-
-    ``total - value`` is an exact zero for a finite sum (so the mean is rounded once, also in bfloat16); for a
-    non-finite one, ``value`` made finite keeps it ``±inf`` or NaN, which the mean then is too."""
-    if losses.numel() == 1:
-        return total
-    stepped = losses.numel() if skipped is None else int((~skipped).sum())
-    value = total.detach()  # (the sum of ``losses``, in which the replicas that skipped count 0)
-    return (total - value.nan_to_num()) + value / stepped
-
-
-def _destroy_process_group_at_exit() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def _optimizer_classes(classes: Any) -> tuple[type[Optimizer], ...]:
-    """``elementwise_optimizers`` as a tuple of optimizer classes (one class alone is accepted)."""
-    if isinstance(classes, type):
-        classes = (classes,)
-    try:
-        classes = tuple(classes)
-    except TypeError:
-        classes = (classes,)
-    wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, Optimizer))]
-    if wrong:
-        raise ValueError(
-            "elementwise_optimizers must list optimizer classes (subclasses of torch.optim.Optimizer), for example"
-            f" elementwise_optimizers=[MySGD]; got {wrong[0]!r}."
-        )
-    return classes
-
-
-#: Lightning's ways of starting the processes (DDPStrategy's ``start_method``).
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-def _check_lightning_arguments(arguments: Mapping[str, Any]) -> None:
-    """The arguments CrossbowStrategy passes on to Lightning's DDPStrategy, each of the type it takes (None: chosen
-    for you), so that a wrong one fails here with its name rather than later with an AttributeError."""
-    expected = {
-        "accelerator": (Accelerator, "lightning.pytorch.accelerators.Accelerator"),
-        "cluster_environment": (ClusterEnvironment, "lightning.fabric.plugins.ClusterEnvironment"),
-        "checkpoint_io": (CheckpointIO, "lightning.fabric.plugins.CheckpointIO"),
-        "precision_plugin": (Precision, "lightning.pytorch.plugins.precision.Precision"),
-        "timeout": (timedelta, "datetime.timedelta"),
-    }
-    for name, (kind, where) in expected.items():
-        value = arguments[name]
-        if value is not None and not isinstance(value, kind):
-            raise ValueError(f"{name} must be a {where} or None, got {value!r}.")
-    devices = arguments["parallel_devices"]
-    if devices is not None and not (
-        isinstance(devices, (list, tuple)) and all(isinstance(d, torch.device) for d in devices)
-    ):
-        raise ValueError(f"parallel_devices must be a list of torch.device or None, got {devices!r}.")
-    backend = arguments["process_group_backend"]
-    known = [name for name in torch.distributed.Backend.backend_list if name != "undefined"]
-    if backend is not None and not (isinstance(backend, str) and (backend.lower() in known or ":" in backend)):
-        raise ValueError(
-            f"process_group_backend must be one of {', '.join(map(repr, known))} (or per device, as"
-            f" 'cpu:gloo,cuda:nccl'), or None (gloo on CPU, NCCL on CUDA), got {backend!r}."
-        )
-    if arguments["start_method"] not in _START_METHODS:
-        raise ValueError(
-            f"start_method must be one of {', '.join(map(repr, _START_METHODS))}, got {arguments['start_method']!r}."
-        )
-
-
 def _cpu_copy(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu", copy=True)
-
-
-def _saves_its_position(loader: object) -> bool:
-    """Whether Lightning saves and loads ``loader``'s own state in checkpoints (``state_dict``/``load_state_dict``)."""
-    return isinstance(loader, _Stateful)
