@@ -20,6 +20,9 @@ rank alike. With every ``b_r = b`` these are the DataLoader's own batches, ``K_g
 Splits change at group boundaries that no rank has reached yet, not even to find that the epoch has
 no room for it (:meth:`RoutingPlan.schedule`), so the routing stays consistent when DataLoader workers
 have drawn indices ahead of training.
+
+The place in an epoch's order is the same on every rank, and a checkpoint keeps it: a fit resumed in an epoch's
+middle goes on from there (:meth:`RoutedBatchSampler.start_next_pass_at`), cut at the layout in force then.
 """
 
 from __future__ import annotations
