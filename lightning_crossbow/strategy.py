@@ -316,7 +316,7 @@ class CrossbowStrategy(DDPStrategy):
         self._routed_place_unknown = False
         #: Whether the engine is running the user's training_step with the replicas' weights in the module (k > 1).
         self._replicas_in_module = False
-        #: The training loader this fit made (uniform mode), once made.
+        #: The training loader this fit made, once made.
         self._fit_loader: Optional[ReplicaBatchLoader] = None
         #: Lightning's counts of the training epoch, kept right for the groups of k batches.
         self._epoch = EpochCounts()
@@ -618,10 +618,9 @@ class CrossbowStrategy(DDPStrategy):
             self._epoch.fraction_as_steps(trainer, grouped)
             if trained is not None and not saves_its_position(dataloader):  # (one that does: Lightning loads it)
                 self._count_on_from_the_checkpoint(grouped, trained, pass_begun=False, step_ended=trained == counts)
-            self._fit_loader = grouped
             batches_per_step, per_step = k, f"replicas_per_device={k}"
             length = most = loader_length(dataloader)
-        self._grouped = self._epoch.loader = grouped
+        self._grouped = self._epoch.loader = self._fit_loader = grouped
         if length is not None and 0 < length < batches_per_step:  # (none at all: nothing to train, as in Lightning)
             raise ValueError(
                 f"crossbow: the training DataLoader has {length} batches per epoch, fewer than the"
@@ -634,7 +633,7 @@ class CrossbowStrategy(DDPStrategy):
             rank_zero_warn(
                 f"crossbow: the training DataLoader has {sampler.samples_per_epoch()} samples; the last"
                 f" {sampler.skipped_samples()} of every epoch's common order do not fill a step of {per_step}"
-                f" ({sum(k * b for k, b in zip(*self.routing.latest_layout))} samples) and are skipped."
+                f" ({sum(self.routing.latest_layout.learner_batch_sizes())} samples) and are skipped."
             )
         elif dropped:
             batches = f"has {len(grouped) * batches_per_step + dropped} batches"
@@ -1724,7 +1723,7 @@ class CrossbowStrategy(DDPStrategy):
             # heterogeneous mode: the epoch's groups and samples of the common order trained so far (the same on
             # every rank), where a resume in the epoch's middle goes on
             "routed_place": (
-                list(self._grouped.place_in_pass(self._routed_step_in_flight()))
+                list(self._grouped.place_in_pass(in_flight > 0))
                 if isinstance(self._grouped, RoutedBatchLoader)
                 else None
             ),
@@ -1736,7 +1735,7 @@ class CrossbowStrategy(DDPStrategy):
             # heterogeneous mode: the learners per rank and each rank's per-replica batch size, in force and in a
             # change scheduled (by the balancer or set_replicas_per_device) and not in force yet (LearnerLayouts)
             **(
-                self._layouts.checkpoint_entries(self._routed_step_in_flight())
+                self._layouts.checkpoint_entries(in_flight > 0)
                 if self._layouts is not None
                 else dict.fromkeys(("split", "next_split", "batch_sizes", "batch_sizes_of_loader", "next_batch_sizes"))
             ),
@@ -1751,22 +1750,20 @@ class CrossbowStrategy(DDPStrategy):
             "ranks": ranks,
         }
 
-    def _routed_step_in_flight(self) -> bool:
-        """Heterogeneous mode: whether the last group handed out is one whose step Lightning has not counted processed
-        (a checkpoint saved from an exception raised in the step, or in a hook before it)."""
-        progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current
-        return progress.ready > progress.processed
-
     def _batches_in_flight(self) -> int:
         """Batches of a group drawn for a step that Lightning has not counted processed (a checkpoint saved from an
         exception raised in the step, or before it, in a hook), else 0."""
         grouped = self._grouped
-        if grouped is None or self.routing is not None:
+        if grouped is None:
             return 0
         fit_loop = self.lightning_module.trainer.fit_loop
-        ahead = len(getattr(fit_loop._data_fetcher, "batches", ()))  # groups fetched ahead (a loader without a length)
-        handed_out = grouped.groups_yielded - ahead
-        return grouped.last_group_batches if handed_out > fit_loop.epoch_loop.batch_progress.current.processed else 0
+        progress = fit_loop.epoch_loop.batch_progress.current
+        if self.routing is not None:  # (Lightning's count: a routed loader, never fetched ahead, counts from a place)
+            handed_out = progress.ready
+        else:
+            ahead = len(getattr(fit_loop._data_fetcher, "batches", ()))  # (fetched ahead: no length)
+            handed_out = grouped.groups_yielded - ahead
+        return grouped.last_group_batches if handed_out > progress.processed else 0
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -1793,7 +1790,7 @@ class CrossbowStrategy(DDPStrategy):
             drawn, trained = (progress.ready, progress.ready), (progress.processed, progress.processed)
         self._resumed_pass_counts, self._resumed_pass_trained = drawn, trained
         self._epoch.restore(state.get("validation_checks_done", 0) if state is not None else 0)
-        if self._fit_loader is not None and self.routing is None and not trainer.fit_loop._should_reload_train_dl:
+        if self.routing is None and self._loader_made_before_the_restore():
             # Its loader was made before this restore (estimated_stepping_batches in configure_optimizers), its
             # iterator too, and Lightning will not load its position (nor does plain Lightning then). (A loader
             # that Lightning makes again when the epoch starts takes the counts then.)
@@ -1915,20 +1912,18 @@ class CrossbowStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         epoch = trainer.fit_loop.epoch_progress.current.processed
         self._epoch.follows_k = True  # (the epochs after the resumed one are counted again as they start)
-        if self._loader_made_before_the_restore(trainer):  # (configure_optimizers read estimated_stepping_batches)
-            assert isinstance(self._grouped, RoutedBatchLoader) and self.stack is not None
-            self._grouped.resume_pass_at(epoch, *place)
+        if self._loader_made_before_the_restore():  # (configure_optimizers read estimated_stepping_batches)
+            assert isinstance(self._fit_loader, RoutedBatchLoader) and self.stack is not None
+            self._fit_loader.resume_pass_at(epoch, *place)
             self._epoch.fit_epoch_length(trainer, self.stack.num_replicas)  # (Lightning counted before the restore)
         else:
             self._resumed_routed_place = (epoch, int(place[0]), int(place[1]))
 
-    def _loader_made_before_the_restore(self, trainer: "pl.Trainer") -> bool:
-        """Heterogeneous mode: whether this fit's routed loader was made before the checkpoint's restore (in
-        ``configure_optimizers``, for ``estimated_stepping_batches``) and is the one that trains next (not made again
-        when the resumed epoch starts, by ``reload_dataloaders_every_n_epochs``)."""
-        grouped = self._grouped
-        made = isinstance(grouped, RoutedBatchLoader) and grouped.plan is self.routing
-        return made and not trainer.fit_loop._should_reload_train_dl
+    def _loader_made_before_the_restore(self) -> bool:
+        """Whether this fit's training loader was made before the checkpoint's restore (in ``configure_optimizers``,
+        for ``estimated_stepping_batches``) and is the one that trains next (not made again when the resumed epoch
+        starts, by ``reload_dataloaders_every_n_epochs``)."""
+        return self._fit_loader is not None and not self.lightning_module.trainer.fit_loop._should_reload_train_dl
 
     def _restore_split(self, state: Optional[Mapping[str, Any]]) -> bool:
         """Heterogeneous mode: carries on with the checkpoint's learners per rank where it can
@@ -1943,7 +1938,7 @@ class CrossbowStrategy(DDPStrategy):
         # for estimated_stepping_batches): each epoch's count follows the restored learners and batch sizes, the
         # resumed one's too, also where it resumes in its middle
         self._epoch.follows_k = self._epoch.recount_at_next_batch = True
-        if self._loader_made_before_the_restore(self.lightning_module.trainer):
+        if self._loader_made_before_the_restore():
             self._layouts.check_restored_batch_sizes()  # (done as the loader is made, otherwise)
         if split[self.global_rank] != self.stack.num_replicas:
             self._resize_replicas(split[self.global_rank])
