@@ -41,7 +41,8 @@ class LearnerLayouts:
         self.rank = rank
         self.plan = RoutingPlan((replicas_per_device,) * world_size, rank)
         self.split: Split = self.plan.latest  #: the learners per rank at the step in progress
-        #: each rank's per-replica batch size at the step in progress (None: the DataLoader's on every rank)
+        #: each rank's per-replica batch size at the step in progress where one differs from the DataLoader's
+        #: (``SpeedBalancer(max_batch_scale > 1)``); None: the DataLoader's on every rank (as the plan keeps them)
         self.batch_sizes: Optional[Split] = None
         #: the DataLoader batch size that a restored checkpoint's batch sizes were sized for, until the loader is made
         self.restored_batch_base: Optional[int] = None
@@ -59,12 +60,7 @@ class LearnerLayouts:
 
     def put_in_force(self, layout: Layout) -> None:
         """``layout`` is the one of the step that starts (its group's, :meth:`RoutingPlan.layout_at`)."""
-        self.split, self.batch_sizes = layout
-
-    def scaled_batch_sizes(self) -> Optional[Split]:
-        """Each rank's per-replica batch size in force, where a rank's differs from the DataLoader's
-        (``SpeedBalancer(max_batch_scale > 1)``); else None."""
-        return self.plan.scaled(self.layout_in_force().batch_sizes)
+        self.split, self.batch_sizes = layout.split, self.plan.scaled(layout.batch_sizes)
 
     def change_scheduled(self) -> bool:
         """Whether a change of the split or batch sizes is scheduled and not in force yet."""
@@ -146,7 +142,7 @@ class LearnerLayouts:
         return {
             "split": self.split,
             "next_split": (self.plan.latest, max(0, self.plan.latest_from - untrained)) if scheduled else None,
-            "batch_sizes": self.scaled_batch_sizes(),
+            "batch_sizes": self.batch_sizes,
             "batch_sizes_of_loader": self.plan.batch_size,
             "next_batch_sizes": self.plan.latest_scaled_batch_sizes if scheduled else None,
         }
