@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -291,17 +291,27 @@ def clip_grad_norm_per_replica_(params: Iterable[Tensor], max_norm: float, norm_
 
 
 @contextmanager
-def learning_rates_scaled(optimizer: Optimizer, factor: float) -> Iterator[None]:
+def learning_rates_scaled(optimizer: Optimizer, factor: float) -> Iterator[Optional[list[float]]]:
     """Inside the block every param group's ``lr`` is ``factor`` times its own; after it, each is the value it had
-    before (a learning-rate scheduler's, untouched). ``factor == 1`` changes nothing."""
+    before (a learning-rate scheduler's, untouched). Yields those values from before (what a checkpoint saved
+    inside the block holds, :func:`with_learning_rates`), or None where ``factor == 1``, which changes nothing."""
     if factor == 1.0:
-        yield
+        yield None
         return
     saved = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * factor
     try:
-        yield
+        yield list(saved)
     finally:
         for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr
+
+
+def with_learning_rates(state_dict: dict[str, Any], learning_rates: Optional[Sequence[float]]) -> dict[str, Any]:
+    """``state_dict`` (an ``optimizer.state_dict()``, whose param groups are its own copies) with its param groups'
+    ``lr`` set to ``learning_rates`` in order; unchanged where that is None."""
+    if learning_rates is not None:
+        for group, lr in zip(state_dict["param_groups"], learning_rates, strict=True):
+            group["lr"] = lr
+    return state_dict

@@ -107,6 +107,7 @@ from lightning_crossbow.optim import (
     stacked_params,
     take_central_settings_,
     unfuse_,
+    with_learning_rates,
 )
 from lightning_crossbow.period import AveragePendingSteps, AveragingPeriod
 from lightning_crossbow.preflight import (
@@ -316,6 +317,9 @@ class CrossbowStrategy(DDPStrategy):
         self._routed_place_unknown = False
         #: Whether the engine is running the user's training_step with the replicas' weights in the module (k > 1).
         self._replicas_in_module = False
+        #: Inside an optimizer step whose learning rates follow larger batches (lr_follows_batch): the param groups'
+        #: own learning rates, which a checkpoint saved inside the step holds; else None.
+        self._learning_rates_outside_step: Optional[list[float]] = None
         #: The training loader this fit made, once made.
         self._fit_loader: Optional[ReplicaBatchLoader] = None
         #: Lightning's counts of the training epoch, kept right for the groups of k batches.
@@ -1253,10 +1257,13 @@ class CrossbowStrategy(DDPStrategy):
             return result
 
         lr_scale = self._layouts.learning_rate_scale() if self._layouts is not None else 1.0  # (larger batches)
-        with learning_rates_scaled(optimizer, lr_scale):
-            output = self.precision_plugin.optimizer_step(
-                optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
-            )
+        with learning_rates_scaled(optimizer, lr_scale) as self._learning_rates_outside_step:
+            try:
+                output = self.precision_plugin.optimizer_step(
+                    optimizer, model=model or self.lightning_module, closure=closure_then_corrections, **kwargs
+                )
+            finally:
+                self._learning_rates_outside_step = None
         if held is not None:
             held.restore_()
         self._gradients_pending = False
@@ -1680,6 +1687,7 @@ class CrossbowStrategy(DDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         state = central_state_dict(optimizer, self._stacked_leaves())  # this process's; see save_checkpoint
+        with_learning_rates(state, self._learning_rates_outside_step)  # (a checkpoint saved inside a step)
         for index in self._unfused_groups:  # (as the user made it: plain Lightning, or k=1, runs it fused)
             state["param_groups"][index]["fused"] = True
         return state
@@ -1698,7 +1706,11 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.reset_replicas_(self.lightning_module)  # where the next step puts them anyway
         local: dict[str, Any] = {
             "stack": self.stack.state_dict(),
-            "optimizer": apply_to_collection(self.optimizers[0].state_dict(), Tensor, _cpu_copy),  # stacked
+            "optimizer": apply_to_collection(  # stacked
+                with_learning_rates(self.optimizers[0].state_dict(), self._learning_rates_outside_step),
+                Tensor,
+                _cpu_copy,
+            ),
         }
         ranks = self._gather_to_rank_zero(local)  # only rank 0 writes checkpoints: the others hold their own alone
         in_flight = self._batches_in_flight()

@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 from lightning_crossbow import CrossbowStrategy, SpeedBalancer
 from lightning_crossbow.balancing import StepTime, fill_batches, split_learners, step_seconds
 from lightning_crossbow.data import RoutedBatchLoader
+from lightning_crossbow.heterogeneous import LearnerLayouts
 from lightning_crossbow.optim import learning_rates_scaled
 from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan
 from tests.helpers import BatchesSeen, Classifier, loader, make_data, make_net, trainer
@@ -789,6 +790,34 @@ def test_learning_rates_scaled_inside_the_block_only() -> None:
     assert [group["lr"] for group in optimizer.param_groups] == [0.25, 0.5]
     with pytest.raises(ValueError, match="lr_follows_batch must be True or False, got 'yes'"):
         SpeedBalancer(lr_follows_batch="yes")  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_saved_inside_a_step_at_scaled_learning_rates_holds_the_param_groups_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With lr_follows_batch, hooks inside the optimizer step see the step's learning rate (here 1.5 times the user's),
+    but a checkpoint saved there holds the param groups' own, centrally and per rank: a resume scales it once, not
+    twice. The next step's hooks see 1.5 times the user's again."""
+    monkeypatch.setattr(LearnerLayouts, "learning_rate_scale", lambda self: 1.5)
+
+    class SaveInsideTheStep(Callback):
+        def __init__(self) -> None:
+            self.seen: list[float] = []
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            self.seen.append(optimizer.param_groups[0]["lr"])
+            trainer.save_checkpoint(tmp_path / f"inside{trainer.global_step}.ckpt")
+
+    saving = SaveInsideTheStep()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, heterogeneous=True), max_steps=2, callbacks=[saving])
+    fit.fit(Classifier(lr=0.1), loader(make_data(num_samples=64), batch_size=8))
+    assert saving.seen == [0.1 * 1.5, 0.1 * 1.5]
+    for step in (0, 1):
+        checkpoint = torch.load(tmp_path / f"inside{step}.ckpt", weights_only=False)
+        assert [group["lr"] for group in checkpoint["optimizer_states"][0]["param_groups"]] == [0.1]
+        (rank,) = checkpoint["crossbow"]["ranks"]
+        assert [group["lr"] for group in rank["optimizer"]["param_groups"]] == [0.1]
+    assert [group["lr"] for group in fit.optimizers[0].param_groups] == [0.1]
 
 
 def test_a_new_layout_that_leaves_much_of_the_epoch_in_progress_out_says_so(tmp_path: Path) -> None:
