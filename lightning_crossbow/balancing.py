@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -191,6 +191,29 @@ class SpeedBalancer:
         """Forgets the step in progress and the window (at a new fit, or when another split comes in force)."""
         self._busy_since = None
         self._window.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the measurements the models fit and the most learners per rank (every rank's, the
+        same on each), the layouts scheduled, and this rank's window so far."""
+        return {
+            "measured": [[[units, seconds] for units, seconds in by_u.items()] for by_u in self.measured],
+            "most": self.most,
+            "history": [[step, list(split), list(sizes) if sizes else None] for step, split, sizes in self.history],
+            "window": list(self._window),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], window: bool = True) -> None:
+        """Goes on from a checkpoint's :meth:`state_dict` (of as many ranks): the models from its measurements and,
+        with ``window`` (the fit carries on its layout), its layouts scheduled and its window, to which the step in
+        progress adds from now on, as the step after the save would have."""
+        self.measured = [{float(units): float(seconds) for units, seconds in by_u} for by_u in state["measured"]]
+        self.most = list(state["most"]) if state["most"] is not None else None
+        if window:
+            self.history = [
+                (int(step), tuple(split), tuple(sizes) if sizes else None) for step, split, sizes in state["history"]
+            ]
+            self._window = [float(seconds) for seconds in state["window"]]
+            self._busy_since = self.clock()
 
     def sync_done(self) -> None:
         """Called when a step's averaging ends: this rank is busy with its own work from now on."""

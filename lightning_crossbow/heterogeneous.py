@@ -154,8 +154,12 @@ class LearnerLayouts:
         where the fit starts at its own even split."""
         if state["world_size"] != len(self.split):
             return None
+        ranks = state.get("ranks")
+        balancer_state = ranks[self.rank].get("balancer") if ranks else None  # (None: an earlier version's)
         split = tuple(state["split"]) if state.get("split") else (state["replicas_per_device"],) * len(self.split)
         if sum(split) != num_learners and not carries_on_k:
+            if balancer_state is not None:  # the speeds measured still hold: the first window starts from them
+                self.balancer.load_state_dict(balancer_state, window=False)
             return None
         batch_sizes = tuple(state["batch_sizes"]) if state.get("batch_sizes") else None
         self.restored_batch_base = state.get("batch_sizes_of_loader")
@@ -170,6 +174,10 @@ class LearnerLayouts:
             next_sizes = tuple(state["next_batch_sizes"]) if state.get("next_batch_sizes") else None
             self.plan.schedule(tuple(next_split), groups_before, next_sizes)
             self.balancer.history.append((0, tuple(next_split), next_sizes))
+        if balancer_state is not None:  # its models, its window so far, and its history, the change above included
+            self.balancer.load_state_dict(balancer_state)
+            if next_split is not None and not self.change_scheduled():
+                self.balancer.history.pop()  # (the change it had scheduled does not go on)
         return split
 
     def check_restored_batch_sizes(self) -> None:

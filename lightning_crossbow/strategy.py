@@ -1706,6 +1706,8 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.reset_replicas_(self.lightning_module)  # where the next step puts them anyway
         local: dict[str, Any] = {
             "stack": self.stack.state_dict(),
+            # heterogeneous mode: the balancer's measurements, history and this rank's window
+            "balancer": self.balancer.state_dict() if self.balancer is not None else None,
             "optimizer": apply_to_collection(  # stacked
                 with_learning_rates(self.optimizers[0].state_dict(), self._learning_rates_outside_step),
                 Tensor,

@@ -511,11 +511,11 @@ def test_a_loader_made_before_the_restore_and_made_again_for_the_resumed_epoch_g
 
 def test_a_place_beyond_a_smaller_training_sets_order_starts_the_order_again_saying_so(tmp_path: Path) -> None:
     """Saved after 64 of epoch 1's 96 samples (step 5), resumed over 40 samples: the place is not taken."""
-    _shuffled_heterogeneous_fit(4, SaveAtStep(5, tmp_path / "step5.ckpt"))
+    _shuffled_heterogeneous_fit(4, SaveAtStep(5, tmp_path / "step8.ckpt"))
     strategy = CrossbowStrategy(replicas_per_device=4, heterogeneous=True)
     with pytest.warns(UserWarning, match=r"place in the common order \(after 64 samples\) lies beyond the 40 samples"):
         trainer(strategy=strategy, max_epochs=2).fit(
-            Classifier(lr=0.1), loader(make_data(num_samples=40), shuffle=True), ckpt_path=tmp_path / "step5.ckpt"
+            Classifier(lr=0.1), loader(make_data(num_samples=40), shuffle=True), ckpt_path=tmp_path / "step8.ckpt"
         )
 
 
@@ -838,7 +838,8 @@ def test_a_resume_carries_on_the_larger_batches_exactly(tmp_path: Path, larger_b
     checkpoint = str(tmp_path / "half.ckpt")
     _larger_batches_run(tmp_path / "half", "--epochs", "2", "--save", checkpoint)
     resumed = _larger_batches_run(tmp_path / "resumed", "--epochs", "4", "--resume", checkpoint)
-    assert resumed[0]["splits"][0] == (0, (3, 1), (13, 8))
+    assert resumed[0]["splits"] == larger_batches[0]["splits"]  # (the layouts' history carries on too)
+    assert resumed[0]["splits"][-1] == (2, (3, 1), (13, 8))
     steps = len(resumed[0]["batch_sizes"])
     for rank in range(2):
         assert resumed[rank]["batch_sizes"] == larger_batches[rank]["batch_sizes"][-steps:]
@@ -935,11 +936,35 @@ def test_heterogeneous_resume_carries_on_with_the_measured_split_exactly(
     checkpoint = str(tmp_path / "half.ckpt")
     _heterogeneous_run(tmp_path / "half", "--epochs", "2", "--save", checkpoint)
     resumed = _heterogeneous_run(tmp_path / "half", "--epochs", "4", "--resume", checkpoint)
-    assert resumed[0]["splits"][0][1] == (6, 2)  # the checkpoint's split, not an even one
+    assert resumed[0]["splits"] == straight[0]["splits"] and resumed[0]["splits"][-1][1] == (6, 2)  # not an even one
     for rank in range(2):
         assert resumed[rank]["replicas_per_device"] == straight[rank]["replicas_per_device"]
         for x, y in zip(straight[rank]["z"], resumed[rank]["z"], strict=True):
             assert torch.equal(x, y)
+
+
+def test_a_resume_in_the_balancers_window_goes_on_with_its_measurements_and_schedules_as_the_run_that_went_on(
+    tmp_path: Path, four_epochs: list[dict]
+) -> None:
+    """Saved after the first step of the balancer's first window (2 steps; rank 1 3x slower, a virtual clock) and
+    resumed: the window goes on with the step measured before the save, so the split changes at the same step as in
+    the run that went on, and the resumed fit is that run bitwise, its history of layouts too. (Before, the window
+    started afresh and the change came two steps later.) A resume saved after that window carries on its
+    measurements: the balancer keeps the models it fitted."""
+    straight = four_epochs
+    assert [step for step, _, _ in straight[0]["splits"]] == [0, 2]
+    early, late = str(tmp_path / "step1.ckpt"), str(tmp_path / "step8.ckpt")
+    _heterogeneous_run(tmp_path / "saving", "--epochs", "4", "--save-at", f"1:{early}", "--save-at", f"8:{late}")
+    for checkpoint in (early, late):
+        resumed = _heterogeneous_run(tmp_path / "resumed", "--epochs", "4", "--resume", checkpoint)
+        for rank in range(2):
+            assert resumed[rank]["splits"] == straight[rank]["splits"]
+            assert resumed[rank]["group_sizes"][-3:] == straight[rank]["group_sizes"][-3:]
+            for x, y in zip(straight[rank]["z"], resumed[rank]["z"], strict=True):
+                assert torch.equal(x, y)
+    saved = torch.load(late, weights_only=False)["crossbow"]["ranks"]
+    measured = [[[4.0, 4.0], [6.0, 6.0]], [[4.0, 12.0], [2.0, 6.0]]]  # (per rank: learner-batches u, seconds)
+    assert [rank["balancer"]["measured"] for rank in saved] == [measured, measured]
 
 
 def _save_while_a_change_is_scheduled_and_resume(out: Path, *extra: str) -> tuple[list[dict], list[dict]]:
@@ -966,7 +991,7 @@ def test_a_resume_carries_on_a_change_of_split_scheduled_at_the_checkpoint(
     straight, resumed = change_scheduled
     step, scheduled, _ = straight[0]["splits"][-1]
     assert step == 4 and sum(scheduled) == 6 and scheduled != straight[0]["splits"][-2][1]
-    assert resumed[0]["splits"][-1] == (0, scheduled, None)
+    assert resumed[0]["splits"][-1] == (4, scheduled, None)
     for rank in range(2):
         assert straight[rank]["group_sizes"][4:] == [scheduled[rank]] * (len(straight[rank]["group_sizes"]) - 4)
         assert resumed[rank]["group_sizes"] == [scheduled[rank]] * len(resumed[rank]["group_sizes"])
