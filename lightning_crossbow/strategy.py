@@ -35,6 +35,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -412,7 +413,10 @@ class CrossbowStrategy(DDPStrategy):
         super().setup_environment()
         trainer = self.lightning_module.trainer
         if self.auto_replicas and not any(isinstance(c, ReplicaAutoTuner) for c in trainer.callbacks):
-            trainer.callbacks.append(ReplicaAutoTuner())
+            # before the checkpoint callbacks (where Lightning puts a tuner given to the Trainer): a checkpoint saved
+            # at a step's end holds the k that the tuner chose at it
+            checkpoints = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, Checkpoint)]
+            trainer.callbacks.insert(checkpoints[0] if checkpoints else len(trainer.callbacks), ReplicaAutoTuner())
         if self.period.period > 1 and not any(isinstance(c, AveragePendingSteps) for c in trainer.callbacks):
             trainer.callbacks.insert(0, AveragePendingSteps())  # (first: before any callback reads z)
         if self.world_size == 1:

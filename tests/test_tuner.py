@@ -16,9 +16,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+import lightning_crossbow.strategy as strategy_module
 from lightning_crossbow import CrossbowStrategy, ReplicaAutoTuner
 from lightning_crossbow.tuner import TuningRecord
-from tests.helpers import Classifier, loader, make_data, trainer
+from tests.helpers import Classifier, ResumableLoader, loader, make_data, trainer
 
 
 def step_seconds(k: int) -> float:
@@ -419,6 +420,44 @@ def test_a_checkpoint_taken_where_the_tuner_changes_k_resumes_with_the_new_k(tmp
     assert resumed_sizes == sizes[10:]
     for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_tuner_that_the_strategy_adds_decides_before_a_checkpoint_of_the_same_step_is_saved(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """replicas_per_device="auto" adds the strategy's own tuner, before the checkpoint callbacks (where Lightning puts
+    a tuner given to the Trainer): a checkpoint that every_n_train_steps saves at the step where the tuner moves k
+    from 1 to 2 resumes with k=2, as the run that went on, bitwise (before: at k=1 for another window, its choice
+    lost). (The loader saves its place, so that the resume in the epoch's middle goes on with its next batch.)"""
+    clock = FakeClock()
+
+    class ClockedTuner(ReplicaAutoTuner):  # the strategy's tuner, on the test's clock
+        def __init__(self) -> None:
+            super().__init__(window=4, warmup=1, threshold=0.1, clock=clock, max_replicas=2, plot=False)
+
+    monkeypatch.setattr(strategy_module, "ReplicaAutoTuner", ClockedTuner)
+
+    def run(ckpt_path: Optional[Path] = None) -> tuple[list[int], Classifier]:
+        sizes, model = _GroupSizes(), Classifier()
+        saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=5, save_top_k=-1)
+        fit = trainer(
+            strategy=CrossbowStrategy(replicas_per_device="auto"),
+            callbacks=[clock, sizes, saves],
+            max_steps=12,
+            enable_checkpointing=True,
+        )
+        fit.fit(model, ResumableLoader(make_data(num_samples=8 * 40), batch_size=8), ckpt_path=ckpt_path)
+        order.append([type(c) for c in fit.callbacks][-2:])
+        return sizes.sizes, model
+
+    order: list[list[type]] = []
+    sizes, straight = run()
+    assert sizes[:5] == [1] * 5 and sizes[5] == 2  # k changed at step 5's end
+    resumed_sizes, resumed = run(tmp_path / "step=5.ckpt")
+    assert resumed_sizes == sizes[5:]
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert order == [[ClockedTuner, ModelCheckpoint]] * 2
 
 
 def test_a_tuned_k_per_device_carries_on_under_another_world_size(tmp_path) -> None:
