@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,28 @@ def _job_number(result: Path) -> tuple[int, str]:
 
 
 class ResultsTable(Callback):
-    """On the end of a multirun, prints and writes ``results.md`` with one row per run."""
+    """On the end of a multirun, prints and writes ``results.md`` with one row per run of this sweep: a sweep folder
+    used again (``hydra.sweep.dir=...``) may hold the results of an earlier sweep's other jobs, written before this
+    sweep started, which are not its rows."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None  #: when this sweep started (time.time()), once it has
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._started = time.time() - 1.0  # (a file's time may lag the clock by the kernel's tick)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/result.json"), key=_job_number)]
+        results = [
+            path
+            for path in sweep_dir.glob("*/result.json")
+            if self._started is None or path.stat().st_mtime >= self._started
+        ]
+        rows = [json.loads(p.read_text()) for p in sorted(results, key=_job_number)]
         if not rows:
             return
         table = markdown_table(rows)
-        (sweep_dir / "results.md").write_text(table + "\n")
-        print(f"\n{table}\n(written to {sweep_dir / 'results.md'})")
+        path = sweep_dir / "results.md"
+        replaced = " (replacing an earlier sweep's table)" if path.exists() else ""
+        path.write_text(table + "\n")
+        print(f"\n{table}\n(written to {path}{replaced})")

@@ -69,6 +69,8 @@ def run_dir() -> str | None:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
+    """Trains (and tests) as ``cfg`` says; returns the RESULT line's numbers, over every process (samples summed, the
+    slowest one's wall time), and whether this process is the first (``global_zero``), which reports them."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model, datamodule = build(cfg)
     start = time.perf_counter()
@@ -82,7 +84,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     counted = next(c for c in trainer.callbacks if isinstance(c, SamplesTrained)).samples
     counted_here = torch.tensor(float(counted), device=strategy.root_device)  # (NCCL reduces CUDA tensors only)
     samples = float(strategy.reduce(counted_here, reduce_op="sum"))  # over the processes
+    wall = float(strategy.reduce(torch.tensor(wall, device=strategy.root_device), reduce_op="max"))  # the slowest's
     return {
+        "global_zero": trainer.is_global_zero,
         "strategy": type(strategy).__name__,
         "replicas_per_device": k,
         "batch_size": datamodule.batch_size,
@@ -96,6 +100,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     result = run(cfg)
+    if not result.pop("global_zero"):  # (one result per run: the first process's, its numbers over all of them)
+        return
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "result.json").write_text(json.dumps({**result, "overrides": list(HydraConfig.get().overrides.task)}))
     acc = "n/a" if result["test_acc"] is None else f"{result['test_acc']:.4f}"

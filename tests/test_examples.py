@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,21 @@ def test_the_sweep_table_orders_jobs_as_hydra_numbered_them_and_formats_each_col
     rows = (tmp_path / "results.md").read_text().splitlines()[2:]
     assert [row.split(" | ")[0] for row in rows] == ["| job=0", "| job=1", "| job=2", "| job=10"]
     assert rows[0].endswith("| 0.9000 | 0.79 | 1234.6 |") and rows[3].endswith("| 0.9000 | 10.79 | 1234.6 |")
+
+
+def test_the_sweep_table_holds_this_sweeps_jobs_only(tmp_path) -> None:
+    """A sweep folder used again holds an earlier sweep's result of a job this sweep has not (job 5): not a row."""
+    from examples.results import ResultsTable
+
+    table = ResultsTable()
+    (tmp_path / "5").mkdir()
+    (tmp_path / "5" / "result.json").write_text(json.dumps({"overrides": ["job=5"]}))
+    table.on_multirun_start(OmegaConf.create({}))
+    earlier = time.time() - 60
+    os.utime(tmp_path / "5" / "result.json", (earlier, earlier))  # (written before this sweep started)
+    for job in (0, 1):
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "result.json").write_text(json.dumps({"overrides": [f"job={job}"]}))
+    table.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    rows = (tmp_path / "results.md").read_text().splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == ["| job=0", "| job=1"]
