@@ -142,7 +142,7 @@ class ReplicaAutoTuner(Callback):
         look_ahead: bool = True,
         recheck_every: Optional[int] = 10,
         clock: Callable[[], float] = time.perf_counter,
-        plot: Union[str, Path, None, Literal[False]] = None,
+        plot: Union[Literal[False], str, Path, None] = None,  # (False first: a CLI's 'false' is False, not a file)
     ) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {objective!r}.")

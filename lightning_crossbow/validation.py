@@ -47,7 +47,7 @@ def check_clock(value: Any) -> None:
 
 def optimizer_classes(classes: Any) -> tuple[type[Optimizer], ...]:
     """``elementwise_optimizers`` as a tuple of optimizer classes (one class alone is accepted)."""
-    if isinstance(classes, type):
+    if isinstance(classes, (type, str)):
         classes = (classes,)
     try:
         classes = tuple(classes)
@@ -57,7 +57,8 @@ def optimizer_classes(classes: Any) -> tuple[type[Optimizer], ...]:
     if wrong:
         raise ValueError(
             "elementwise_optimizers must list optimizer classes (subclasses of torch.optim.Optimizer), for example"
-            f" elementwise_optimizers=[MySGD]; got {wrong[0]!r}."
+            f" elementwise_optimizers=[MySGD]; got {wrong[0]!r}"
+            + (" (a name: give the class itself)." if isinstance(wrong[0], str) else ".")
         )
     return classes
 

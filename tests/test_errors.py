@@ -255,6 +255,7 @@ def test_numpy_numbers_are_accepted_as_numbers() -> None:
     [
         (dict(reset_on_lr_drop="no"), "reset_on_lr_drop must be True or False, got 'no'"),
         (dict(elementwise_optimizers=["MySGD"]), "elementwise_optimizers must list optimizer classes.*got 'MySGD'"),
+        (dict(elementwise_optimizers="SGD"), r"optimizer classes.*got 'SGD' \(a name: give the class itself\)\."),
         (dict(elementwise_optimizers=[int]), "elementwise_optimizers must list optimizer classes"),
         (dict(parallel_devices="cpu"), "parallel_devices must be a list of torch.device or None, got 'cpu'"),
         (dict(cluster_environment="slurm"), "cluster_environment must be a lightning.fabric.plugins.Cluster"),

@@ -824,3 +824,14 @@ def test_min_replicas_starts_no_higher_than_the_free_memory_allows(monkeypatch) 
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[tuner, sizes], max_steps=3)
     fit.fit(Classifier(), loader(make_data(num_samples=192)))
     assert sizes.sizes[0] == 2
+
+
+def test_a_command_line_reads_plot_false_as_no_plot_not_a_file_named_false() -> None:
+    """LightningCLI parses the tuner's arguments with jsonargparse, by their type hints: ``--plot false`` is False (no
+    plot), where it was the path 'false' (a file false.png); a path and null keep their meaning."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(ReplicaAutoTuner, "tuner")
+    parsed = [parser.parse_args(["--tuner.plot", value]).tuner.plot for value in ("false", "plots/k.png", "null")]
+    assert parsed == [False, "plots/k.png", None]
