@@ -1041,6 +1041,7 @@ class CrossbowStrategy(DDPStrategy):
             self.replicas_per_device = replicas_per_device
             return
         assert self._grouped is not None and trainer is not None
+        self._refuse_a_step_longer_than_an_epoch(replicas_per_device)
         if self._layouts is not None:
             # K = k x world_size learners, split by the speeds measured last, from a group no rank has drawn.
             drawn = torch.tensor([float(self._layouts.plan.groups_drawn)])
@@ -1051,6 +1052,25 @@ class CrossbowStrategy(DDPStrategy):
         else:
             self._grouped.num_replicas = self._k_next_group = replicas_per_device
         self._epoch.k_changed(trainer, self.stack.num_replicas)
+
+    def _refuse_a_step_longer_than_an_epoch(self, replicas_per_device: int) -> None:
+        """During fit, a new k whose one step takes more batches than an epoch has would train nothing from then on:
+        refused, as at set-up (the same on every rank: every rank's epoch has as many batches)."""
+        assert self._grouped is not None
+        if isinstance(self._grouped, RoutedBatchLoader):  # (K learners, at the DataLoader's batch size)
+            have, need = self._grouped.routed_sampler.batches_per_epoch(), replicas_per_device * self.world_size
+            over = f" over {self.world_size} processes" if self.world_size > 1 else ""
+            what = f"the {need} that one step{over} would take"
+        else:
+            have, need = self._grouped.pass_batches(), replicas_per_device
+            what = f"the {need} that one step would take"
+        if have is not None and 0 < have < need:
+            most = max(1, have // (need // replicas_per_device))
+            raise ValueError(
+                f"crossbow: set_replicas_per_device({replicas_per_device}) during fit: an epoch has {have} training"
+                f" batches, fewer than {what}, so no step could be made from then on. Use at most"
+                f" replicas_per_device={most}."
+            )
 
     def replicas_fitting_an_epoch(self) -> Optional[int]:
         """The largest k such that no k' <= k leaves more than a tenth of an epoch's batches out of its last,

@@ -428,6 +428,24 @@ def test_set_replicas_per_device_rejects_bad_values(bad: Any) -> None:
         CrossbowStrategy(algorithm="sma", replicas_per_device=2).set_replicas_per_device(bad)
 
 
+@pytest.mark.parametrize("heterogeneous", [False, True])
+def test_a_new_k_whose_step_takes_more_batches_than_an_epoch_has_is_refused_during_fit(heterogeneous: bool) -> None:
+    """10 batches an epoch; set_replicas_per_device(11) after step 1 would leave every later epoch without a step (it
+    trained nothing more, with a warning): refused, naming the most that fits; 10 is accepted."""
+    change = ChangeReplicasAtBatch(at_step=1, new_k=11)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, heterogeneous=heterogeneous), callbacks=[change])
+    message = r"set_replicas_per_device\(11\) during fit: an epoch has 10 training batches, fewer than the 11 that"
+    with pytest.raises(ValueError, match=message + ".*Use at most replicas_per_device=10"):
+        fit.fit(Classifier(), loader(make_data(num_samples=80)))
+    assert fit.global_step == 2
+    change = ChangeReplicasAtBatch(at_step=1, new_k=10)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2, heterogeneous=heterogeneous), callbacks=[change], max_epochs=2
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=80)))
+    assert change.group_sizes[-1] == 10  # (epoch 1's one step)
+
+
 class RunsOutOfMemoryAbove(Classifier):
     """Raises CUDA's out-of-memory error whenever more than ``fits`` replicas run at once (simulated on CPU)."""
 
