@@ -206,6 +206,24 @@ class EpochCounts:
             k += 1
         return k
 
+    def replicas_keeping_validation(self, trainer: "pl.Trainer") -> Optional[int]:
+        """The largest k whose epochs still hold ``val_check_interval`` steps where that is a number of steps within
+        each epoch (an int, with ``check_val_every_n_epoch`` set: Lightning refuses a longer one at set-up, and an
+        epoch shorter than it never validates); at least 1. None where no such bound holds (a fraction, checks
+        counted across epochs, a loader without a length, routed data)."""
+        interval = trainer.val_check_interval
+        if not isinstance(interval, int) or trainer.check_val_every_n_epoch is None:
+            return None
+        if self.loader is None or self._routed():
+            return None
+        length = loader_length(self.loader.loader)
+        if length is None:
+            return None
+        limit = self.train_limit(trainer)
+        if isinstance(limit, float):
+            length = max(1, int(length * limit))
+        return max(1, length // interval)
+
     def resumed_mid_pass(self) -> bool:
         """Once per resume in the middle of a pass (a loader that saves its position): the steps trained before it
         may have been at another k than the steps left, so the epoch's length is counted again."""

@@ -1071,12 +1071,27 @@ class CrossbowStrategy(DDPStrategy):
                 f" batches, fewer than {what}, so no step could be made from then on. Use at most"
                 f" replicas_per_device={most}."
             )
+        keeping = self.replicas_keeping_validation()
+        if keeping is not None and replicas_per_device > keeping:
+            trainer = self.lightning_module.trainer
+            raise ValueError(
+                f"crossbow: set_replicas_per_device({replicas_per_device}) during fit: an epoch would have fewer steps"
+                f" than val_check_interval={trainer.val_check_interval} (steps of k batches), so it would never"
+                f" validate again (Lightning refuses that at set-up). Use at most replicas_per_device={keeping}."
+            )
 
     def replicas_fitting_an_epoch(self) -> Optional[int]:
         """The largest k such that no k' <= k leaves more than a tenth of an epoch's batches out of its last,
-        unfilled step (``batches mod k' <= batches / 10``); at least 1. None when the training loader has no
-        length or the data are routed (heterogeneous mode)."""
-        return self._epoch.replicas_fitting_an_epoch(self.lightning_module.trainer)
+        unfilled step (``batches mod k' <= batches / 10``), and at most :meth:`replicas_keeping_validation`; at
+        least 1. None when the training loader has no length or the data are routed (heterogeneous mode)."""
+        trainer = self.lightning_module.trainer
+        fitting, keeping = self._epoch.replicas_fitting_an_epoch(trainer), self.replicas_keeping_validation()
+        return fitting if fitting is None or keeping is None else min(fitting, keeping)
+
+    def replicas_keeping_validation(self) -> Optional[int]:
+        """The largest k whose epochs hold an integer ``val_check_interval``'s steps (with ``check_val_every_n_epoch``
+        set: each epoch counts its own), so that it still validates; None where no such bound holds."""
+        return self._epoch.replicas_keeping_validation(self.lightning_module.trainer)
 
     def _back_off(self, error: BaseException) -> None:
         """After an out-of-memory error in the step's forward or backward: one replica fewer from now on.

@@ -318,6 +318,12 @@ class ReplicaAutoTuner(Callback):
         """Why k is at most ``k``: the first of the bounds of :meth:`_ceiling` that holds it there."""
         if strategy.replica_ceiling is not None and strategy.replica_ceiling <= k:
             return f"k={strategy.replica_ceiling + 1} ran out of memory"
+        keeping = strategy.replicas_keeping_validation()
+        if keeping is not None and keeping <= k:
+            return (
+                f"a larger k would leave an epoch fewer steps than val_check_interval="
+                f"{strategy.lightning_module.trainer.val_check_interval}, and it would not validate"
+            )
         fitting = strategy.replicas_fitting_an_epoch()
         if fitting is not None and fitting <= k:
             return (
@@ -480,8 +486,8 @@ class ReplicaAutoTuner(Callback):
         """The largest k allowed: ``max_replicas``, below any k that ran out of memory, such that every
         replica beyond ``k`` (weights, gradients, two optimizer states, corrections) fits twice in the free
         memory of every rank (measured at the end of the last window), and such that no k on the way leaves
-        more than a tenth of an epoch's batches out of its last, unfilled step
-        (:meth:`~lightning_crossbow.CrossbowStrategy.replicas_fitting_an_epoch`)."""
+        more than a tenth of an epoch's batches out of its last, unfilled step, nor an epoch fewer steps than an
+        integer ``val_check_interval`` (:meth:`~lightning_crossbow.CrossbowStrategy.replicas_fitting_an_epoch`)."""
         ceiling = min(self.max_replicas, strategy.replica_ceiling or self.max_replicas)
         fitting = strategy.replicas_fitting_an_epoch()
         if fitting is not None:

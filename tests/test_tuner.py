@@ -835,3 +835,37 @@ def test_a_command_line_reads_plot_false_as_no_plot_not_a_file_named_false() -> 
     parser.add_class_arguments(ReplicaAutoTuner, "tuner")
     parsed = [parser.parse_args(["--tuner.plot", value]).tuner.plot for value in ("false", "plots/k.png", "null")]
     assert parsed == [False, "plots/k.png", None]
+
+
+class _Validations(L.Callback):
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self.epochs.append(trainer.current_epoch)
+
+
+def test_the_tuner_keeps_an_integer_val_check_intervals_steps_in_every_epoch() -> None:
+    """20 batches an epoch and val_check_interval=5 (steps of k batches, counted within each epoch): above k=4 an
+    epoch has fewer than 5 steps and never validates (Lightning refuses that at set-up). The tuner climbs to 4, not
+    further (before: 5-6, validating once in 8 epochs), and every epoch validates; asked by hand, k=5 is refused."""
+    clock, sizes, validations = FakeClock(), _GroupSizes(), _Validations()
+    tuner = ReplicaAutoTuner(window=2, warmup=0, threshold=0.0, clock=clock, plot=False, max_replicas=8)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1),
+        callbacks=[clock, tuner, sizes, validations],
+        max_epochs=8,
+        val_check_interval=5,
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=160)), loader(make_data(num_samples=16)))
+    assert max(sizes.sizes) == 4 and fit.strategy.replicas_keeping_validation() == 4
+    assert set(validations.epochs) == set(range(8))
+
+    class AskForFive(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            trainer.strategy.set_replicas_per_device(5)
+
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[AskForFive()], val_check_interval=5)
+    with pytest.raises(ValueError, match=r"fewer steps than val_check_interval=5 .*Use at most replicas_per_device=4"):
+        fit.fit(Classifier(), loader(make_data(num_samples=160)), loader(make_data(num_samples=16)))
