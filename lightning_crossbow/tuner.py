@@ -154,6 +154,16 @@ class ReplicaAutoTuner(Callback):
             raise ValueError(f"climb must be one of {', '.join(map(repr, CLIMBS))}, got {climb!r}.")
         if not isinstance(look_ahead, bool):
             raise ValueError(f"look_ahead must be True or False, got {look_ahead!r}.")
+        ignored = [
+            f"{name}={value!r}"
+            for name, value, default in (("climb", climb, "linear"), ("look_ahead", look_ahead, True))
+            if value != default
+        ]
+        if objective == "progress" and ignored:
+            raise ValueError(
+                f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'} to objective='throughput' only: objective='progress' compares each"
+                " trial of k+1 with windows at k before and after it, one replica at a time."
+            )
         if recheck_every is not None:
             check_int("recheck_every", recheck_every, note=" or None")
         check_clock(clock)

@@ -686,6 +686,11 @@ def test_the_tuner_needs_the_crossbow_strategy() -> None:
         ({"recheck_every": 0}, "recheck_every must be a positive int .* or None"),
         ({"climb": "binary"}, "climb must be one of"),
         ({"look_ahead": "yes"}, "look_ahead must be True or False, got 'yes'"),
+        (
+            {"objective": "progress", "climb": "doubling", "look_ahead": False},
+            "climb='doubling' and look_ahead=False apply to objective='throughput' only",
+        ),
+        ({"objective": "progress", "look_ahead": False}, r"^look_ahead=False applies to objective='throughput' only"),
         ({"plot": True}, r"plot must be a path \(str or os.PathLike\), None \(in the trainer's log_dir\) or False"),
         ({"plot": 123}, "plot must be a path .*, got 123"),
         ({"plot": ""}, "plot must be a path .*, got ''"),
