@@ -161,8 +161,9 @@ class ReplicaAutoTuner(Callback):
         ]
         if objective == "progress" and ignored:
             raise ValueError(
-                f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'} to objective='throughput' only: objective='progress' compares each"
-                " trial of k+1 with windows at k before and after it, one replica at a time."
+                f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'} to objective='throughput'"
+                " only: objective='progress' compares each trial of k+1 with windows at k before and after it, one"
+                " replica at a time."
             )
         if recheck_every is not None:
             check_int("recheck_every", recheck_every, note=" or None")
