@@ -387,6 +387,13 @@ class ReplicaBatchLoader:
     def __len__(self) -> int:
         return self.batches_per_pass() // self.num_replicas
 
+    def groups_of_next_pass(self, batches: Optional[int] = None) -> Optional[int]:
+        """Between two passes: the groups that the next pass makes (within its first ``batches``, default all) at k
+        now; None where that pass goes on from a checkpoint's place in its middle."""
+        if self._resume_at is not None:
+            return None
+        return (self.batches_per_pass() if batches is None else batches) // self.num_replicas
+
     def pass_batches(self) -> Optional[int]:
         """The batches a pass takes: the wrapped loader's, or fewer under :attr:`batch_limit` (None without a
         length)."""
@@ -526,11 +533,20 @@ class RoutedBatchLoader(ReplicaBatchLoader):
         group takes the order's short last batch)."""
         return max(0, self._rest_of_pass()[1])
 
-    def _rest_of_pass(self) -> tuple[int, int]:
+    @override
+    def groups_of_next_pass(self, batches: Optional[int] = None) -> Optional[int]:
+        """Between two passes: the groups that the next pass makes, each at the layout in force for it; None where
+        that pass goes on from a checkpoint's place in its middle (``batches``: not supported, see
+        :class:`~lightning_crossbow.epoch_counts.EpochCounts`)."""
+        return None if self._saved_place is not None else self._rest_of_pass(next_pass=True)[0]
+
+    def _rest_of_pass(self, next_pass: bool = False) -> tuple[int, int]:
         """``(groups of the current pass, samples of the order no group takes)``, each group at its own layout (of
-        the pass resumed in its middle, while it has not started)."""
+        the pass resumed in its middle, while it has not started; ``next_pass``: of the pass to start next)."""
         sampler = self.routed_sampler
-        if self._saved_place is not None:
+        if next_pass:
+            groups, taken = 0, 0
+        elif self._saved_place is not None:
             _, groups, taken = self._saved_place
         else:
             groups, taken = self.groups_yielded, self._order_samples_taken

@@ -22,7 +22,9 @@ import math
 from typing import Optional, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from lightning_crossbow.data import ReplicaBatchLoader, RoutedBatchLoader, loader_length, skips_over_a_tenth
 
@@ -57,6 +59,8 @@ class EpochCounts:
         #: Of this epoch's checks of a fractional ``val_check_interval`` (timed by batches), those validated, and
         #: those the step in progress validates if it is told to.
         self.checks_done = self.checks_if_validated = 0
+        #: Whether an epoch of the fit in progress has begun its first step.
+        self.epoch_begun = False
 
     def _routed(self) -> bool:
         return isinstance(self.loader, RoutedBatchLoader)
@@ -94,6 +98,27 @@ class EpochCounts:
         if self.train_fraction is not None and trainer is not None:
             trainer.limit_train_batches = self.train_fraction
         self.train_fraction = None
+        self.epoch_begun = False
+
+    def count_the_epoch_to_come(self, trainer: "pl.Trainer") -> None:
+        """At an epoch's start, before the callbacks' ``on_train_epoch_start`` (where progress bars read it): after
+        an epoch of this fit whose k or layout changed, Lightning still holds that epoch's count of steps; this
+        epoch's, at the k its groups take, replaces it (its first step counts it again, as ever). Not for a fit's
+        first epoch, or a pass resumed in its middle (a resume counts those)."""
+        fit_loop = trainer.fit_loop
+        if not (self.follows_k and self.epoch_begun and self.loader is not None):
+            return
+        if not math.isfinite(fit_loop.max_batches):
+            return
+        limit = self.train_limit(trainer)
+        if isinstance(limit, float) and limit < 1.0:
+            if self._routed():  # (a fraction of the common order is not supported: Lightning's count stays)
+                return
+            groups = self.loader.groups_of_next_pass(self._epoch_batches(limit))
+        else:
+            groups = self.loader.groups_of_next_pass()
+        if groups is not None:
+            fit_loop.max_batches = min(limit, groups) if isinstance(limit, int) else groups
 
     def start_batch(self, trainer: "pl.Trainer", batch_idx: int, in_a_step: bool, k: int) -> None:
         """At each batch Lightning hands the strategy (``in_a_step``: a group of crossbow's, not a batch of a
@@ -101,6 +126,7 @@ class EpochCounts:
         counted it at another k; a fractional ``val_check_interval`` timed by batches tells the step whether it
         validates (``k``: the replicas' count)."""
         if batch_idx == 0:
+            self.epoch_begun = True
             self.k_changed_in_epoch = False
             self.checks_done = self.checks_if_validated = 0
         if (batch_idx == 0 and self.follows_k) or self.recount_at_next_batch or self.resumed_mid_pass():
@@ -290,3 +316,14 @@ class EpochCounts:
                 # left over at a smaller k, make more groups: the group in progress is no longer the last.
                 fetcher.done = fetcher.fetched >= epoch_length
                 fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+
+
+class CountEpochAtItsStart(Callback):
+    """Counts each epoch's steps before any other callback reads them (:meth:`EpochCounts.count_the_epoch_to_come`):
+    the strategy puts it first among the trainer's callbacks."""
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        counts = getattr(trainer.strategy, "_epoch", None)
+        if isinstance(counts, EpochCounts):
+            counts.count_the_epoch_to_come(trainer)

@@ -184,6 +184,10 @@ class SaveFinalState(L.Callback):
         self.batch_sizes: list[list[int]] = []  # each step's per-replica batch sizes
         self.seen: list[list[torch.Tensor]] = []  # per epoch, the inputs this rank trained on
         self.validation_batches = 0  # outside the sanity check
+        self.epoch_counts: list[list[int]] = []  # per epoch: [Lightning's count of its steps at its start, its steps]
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epoch_counts.append([trainer.num_training_batches, 0])
 
     def on_validation_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         self.validation_batches += not trainer.sanity_checking
@@ -192,6 +196,8 @@ class SaveFinalState(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
     ) -> None:
         self.group_sizes.append(len(batch))  # type: ignore[arg-type]
+        if self.epoch_counts:
+            self.epoch_counts[-1][1] += 1
         self.batch_sizes.append([len(y) for _, y in batch])  # type: ignore[attr-defined]
         while len(self.seen) <= trainer.current_epoch:
             self.seen.append([])
@@ -211,6 +217,7 @@ class SaveFinalState(L.Callback):
                 "seen": [torch.cat(inputs) if inputs else torch.empty(0) for inputs in self.seen],
                 "splits": strategy.balancer.history if strategy.balancer is not None else None,
                 "validation_batches": self.validation_batches,
+                "epoch_counts": self.epoch_counts,
                 "estimated_steps": getattr(pl_module, "estimated_steps", None),
             },
             self.out / f"rank{trainer.global_rank}.pt",

@@ -715,6 +715,18 @@ def test_a_rank_too_slow_to_balance_by_learners_hands_larger_batches_to_the_fast
         torch.testing.assert_close(actual, wanted)
 
 
+def test_each_epoch_after_a_change_of_batch_sizes_is_counted_before_the_callbacks_see_it(
+    larger_batches: list[dict],
+) -> None:
+    """Epoch 0 changes from 6 steps an epoch at (8, 8, 8, 8) to 4 at (13, 13, 13, 8): from epoch 1 on, Lightning's
+    count of the epoch's steps that the callbacks read at its start (a progress bar's total) is its steps (before:
+    epoch 1 showed epoch 0's count)."""
+    for rank in larger_batches:
+        counts = rank["epoch_counts"]
+        assert len(counts) == 4 and counts[1][1] == 4
+        assert all(at_start == steps for at_start, steps in counts[1:])
+
+
 def test_larger_batches_keep_lightnings_epoch_length_validation_and_the_local_steps_weights(tmp_path: Path) -> None:
     """Validation after every epoch while the epochs' steps change with the batch sizes (6 a step at (8, 8, 8, 8),
     4 at (13, 13, 13, 8)): Lightning's count of each epoch's steps follows, so each epoch ends and validates.

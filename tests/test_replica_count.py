@@ -129,6 +129,36 @@ def test_a_smaller_k_at_the_epochs_last_step_trains_the_batches_left_over_in_tha
     assert fit.global_step == 4 + 7
 
 
+class _EpochCounts(L.Callback):
+    """Per epoch: [Lightning's count of its steps at its start (what a progress bar shows), its steps]."""
+
+    def __init__(self) -> None:
+        self.counts: list[list[int]] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.counts.append([trainer.num_training_batches, 0])
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.counts[-1][1] += 1
+
+
+@pytest.mark.parametrize("limit", [1.0, 0.5, 5])
+def test_an_epoch_after_a_change_of_k_is_counted_before_the_callbacks_see_it(limit: float) -> None:
+    """k 4 -> 2 after epoch 0's first step (14 batches: 1 step at 4, then 5 at 2): epoch 1 and later, at k=2, have 7
+    steps (3 under limit_train_batches=0.5, 5 under 5), and the callbacks read that count at their start, not epoch
+    0's (before: 6 in epoch 1, on a progress bar too; 2 under 0.5)."""
+    change, counts = ChangeReplicasAtBatch(at_step=0, new_k=2), _EpochCounts()
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=4),
+        callbacks=[change, counts],
+        max_epochs=3,
+        limit_train_batches=limit,
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=8 * 14)))
+    steps = {1.0: 7, 0.5: 3, 5: 5}[limit]
+    assert counts.counts[1:] == [[steps, steps], [steps, steps]]
+
+
 class _CountsItems(torch.utils.data.Dataset):
     def __init__(self, num_samples: int) -> None:
         self.data, self.fetched = make_data(num_samples=num_samples), 0
