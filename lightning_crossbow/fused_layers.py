@@ -133,7 +133,9 @@ def conv1d_over_replicas(
     length = (by_channel.shape[3] - taps) // stride + 1
     span = stride * (length - 1) + 1  # the input positions one tap reads, first to last
     columns_t = torch.stack([by_channel[..., tap : tap + span : stride] for tap in range(taps)], dim=2)
-    columns_t = columns_t.view(k, channels * taps, n * length)  # (k, c t, n L_out), freshly stacked: contiguous
+    # (k, c t, n L_out): a view of the stacked slices, contiguous unless the input's channels were innermost in memory
+    # (x.transpose(1, 2) of (n, L, c) data: the stack then keeps that layout, and this copies)
+    columns_t = columns_t.reshape(k, channels * taps, n * length)
     matrix = weight.reshape(k, out_channels, channels * taps)
     out = torch.bmm(matrix, columns_t) if bias is None else torch.baddbmm(bias.unsqueeze(2), matrix, columns_t)
     out = out.view(k, out_channels, n, length).transpose(1, 2)

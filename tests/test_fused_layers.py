@@ -46,12 +46,19 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     [(1, 3, 1, 0, True), (3, 3, 2, 1, True), (4, 3, 3, 2, False), (2, 21, 2, 2, True)],
     ids=["stride 1", "stride 2", "stride 3, a remainder", "one output per row"],
 )
+@pytest.mark.parametrize("channels_innermost", [False, True], ids=["(n, c, L) data", "(n, L, c) data transposed"])
 def test_conv1d_over_replicas_is_each_replicas_own_convolution_and_gradient(
-    channels: int, taps: int, stride: int, padding: int, bias: bool
+    channels: int, taps: int, stride: int, padding: int, bias: bool, channels_innermost: bool
 ) -> None:
+    """Also for an input whose channels are innermost in memory (``x.transpose(1, 2)`` of ``(n, L, c)`` data), whose
+    columns, stacked in that layout, raised "view size is not compatible" (and engine="auto" fell back to sequential
+    for good)."""
     torch.manual_seed(0)
     k, n, out_channels, length = 3, 5, 6, 17
-    x = torch.randn(k, n, channels, length, requires_grad=True)
+    if channels_innermost:
+        x = torch.randn(k, n, length, channels).transpose(2, 3).requires_grad_()
+    else:
+        x = torch.randn(k, n, channels, length, requires_grad=True)
     w = torch.randn(k, out_channels, channels, taps, requires_grad=True)
     b = torch.randn(k, out_channels, requires_grad=True) if bias else None
     out = fl.conv1d_over_replicas(x, w, b, stride, padding)
