@@ -318,6 +318,8 @@ class CrossbowStrategy(DDPStrategy):
         self._routed_place_unknown = False
         #: Whether the engine is running the user's training_step with the replicas' weights in the module (k > 1).
         self._replicas_in_module = False
+        #: Whether the replicas' logs were replayed as training_step's in the batch in progress.
+        self._training_step_logged = False
         #: Inside an optimizer step whose learning rates follow larger batches (lr_follows_batch): the param groups'
         #: own learning rates, which a checkpoint saved inside the step holds; else None.
         self._learning_rates_outside_step: Optional[list[float]] = None
@@ -728,6 +730,7 @@ class CrossbowStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
+        self._training_step_logged = False
         trainer = self.lightning_module.trainer
         assert self.stack is not None
         self._epoch.start_batch(trainer, batch_idx, isinstance(batch, list), self.stack.num_replicas)
@@ -911,13 +914,16 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.rows_reached.clear()
             if self.averaging.learners_start_at_center and self.period.steps_since == 0:  # (after an averaging)
                 self.stack.reset_replicas_(module)
-        engine = self.engine if not module.trainer.fit_loop._skip_backward else self._forward_only_engine()
+        forward_only = module.trainer.fit_loop._skip_backward  # (StochasticWeightAveraging's epoch for BatchNorm)
+        engine = self.engine if not forward_only else self._forward_only_engine()
         with self.precision_plugin.train_step_context():
             self._replicas_in_module = self.num_learners > 1  # (K: every rank refuses alike)
             try:
                 output = engine.run(self.stack, batches, rest, self._log_capture)
             finally:
                 self._replicas_in_module = False
+        if forward_only:  # no backward follows, whose end replays the logs
+            self._replay_logs()
         losses = output.losses
         self._step_losses = losses if self._step_losses is None else self._step_losses + losses
         # A replica skips the step only if it skipped every batch the step accumulates (None: none skipped).
@@ -1000,13 +1006,19 @@ class CrossbowStrategy(DDPStrategy):
         read the previous step's values in ``trainer.callback_metrics``."""
         with self._logging_as_training_step() as module:
             self._log_capture.replay(module, lambda: extract_batch_size(self._group))
+            self._training_step_logged = module.trainer._logger_connector._current_fx == "training_step"
 
     @contextmanager
     def _logging_as_training_step(self) -> Iterator["pl.LightningModule"]:
         """The module, its ``self.log`` calls taken as ``training_step``'s (Lightning keys a logged value by the
-        hook that logs it, and checks where it may be logged)."""
+        hook that logs it, and checks where it may be logged). Lightning resets a hook's values logged in the last
+        epoch at its first ``self.log`` of an epoch's first batch that follows another hook's (in plain Lightning,
+        where ``training_step`` logs once a batch, its first): where the replicas' logs were replayed in this batch
+        already, a hook's logs since (``on_before_optimizer_step``'s) do not make crossbow's metrics reset them."""
         module = self.lightning_module
         hook, module._current_fx_name = module._current_fx_name, "training_step"
+        if self._training_step_logged:
+            module.trainer._logger_connector._current_fx = "training_step"
         try:
             yield module
         finally:
