@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
@@ -465,6 +466,12 @@ class CrossbowStrategy(DDPStrategy):
                 "crossbow supports automatic optimization only (self.automatic_optimization = True): with"
                 " manual optimization the training_step steps the optimizer itself, so crossbow cannot run it"
                 " once per replica nor apply the model averaging after every replica's step."
+            )
+        if fitting and is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+            raise RuntimeError(
+                "crossbow does not support training_step(self, dataloader_iter): crossbow hands every step a group"
+                " of k batches that its own loader draws, one per replica, so the step cannot draw its batches"
+                " itself. Take the batch as training_step(self, batch, batch_idx)."
             )
         if fitting and self._layer_sync is not None:  # (evaluation uses running statistics: nothing to sync)
             raise ValueError(

@@ -101,6 +101,12 @@ class _TwoOptimizers(Classifier):
         return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
 
 
+class _DrawsItsBatches(Classifier):
+    def training_step(self, dataloader_iter):
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
+
+
 class _LBFGS(Classifier):
     def configure_optimizers(self):
         return torch.optim.LBFGS(self.parameters())
@@ -130,6 +136,7 @@ class _NeverTrains(L.Callback):
     ("model", "error", "pattern"),
     [
         (_Manual, RuntimeError, "automatic optimization only"),
+        (_DrawsItsBatches, RuntimeError, r"does not support training_step\(self, dataloader_iter\): crossbow hands"),
         (_TwoOptimizers, RuntimeError, "exactly one optimizer from configure_optimizers, got more than one"),
         (_LBFGS, TypeError, "cannot use the optimizer LBFGS: it is not known to be element-wise"),
         (_Custom, TypeError, r"MySGD.*elementwise_optimizers=\[MySGD\]"),
