@@ -291,6 +291,7 @@ class CrossbowStrategy(DDPStrategy):
         self._final_state: Optional[dict[str, Any]] = None
         self._leaves_after_fit: list[Tensor] = []  #: the stacked leaves the optimizer steps, kept at teardown
         self._param_groups_seen = 0  #: the optimizer's param groups when last re-pointed at the replicas
+        self._optimizer_seen: Optional[Optimizer] = None  #: the optimizer last re-pointed at the replicas
         self._unfused_groups: set[int] = set()  #: param groups made with fused=True that run without it
         #: Parameters without replicas: frozen when training started (they get them once unfrozen).
         self._without_replicas: list[tuple[str, torch.nn.Parameter]] = []
@@ -529,6 +530,7 @@ class CrossbowStrategy(DDPStrategy):
         self._unfused_groups = set()
         self._unfuse_for_replicas(optimizer)
         self._param_groups_seen = len(optimizer.param_groups)
+        self._optimizer_seen: Optional[Optimizer] = optimizer
         self._without_replicas = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
         self._fastest_engine.clear()  # (a new fit may train another model: its engines are measured afresh)
         self.engine = self._make_engine(self.replicas_per_device)
@@ -815,6 +817,8 @@ class CrossbowStrategy(DDPStrategy):
                 f"crossbow: {', '.join(unfrozen)} unfrozen: {self.stack.num_replicas} replica(s) of each made from z."
             )
         self.stack.follow_requires_grad_(hold=step_starts, at_mean=self.averaging.center_is_learner_mean)
+        if len(self.optimizers) != 1 or self.optimizers[0] is not self._optimizer_seen:
+            self._take_in_a_new_optimizer()
         optimizer = self.optimizers[0]
         if len(optimizer.param_groups) != self._param_groups_seen:  # (add_param_group: the module's parameters)
             self._repoint_optimizer()
@@ -826,6 +830,25 @@ class CrossbowStrategy(DDPStrategy):
                 )
             self._unfuse_for_replicas(optimizer)  # (the new group may ask for fused kernels)
             self._param_groups_seen = len(optimizer.param_groups)
+
+    def _take_in_a_new_optimizer(self) -> None:
+        """An optimizer made during fit (a callback's ``trainer.strategy.setup_optimizers(trainer)``, or
+        ``trainer.optimizers = [...]``: Adam first, then SGD, say) steps the replicas as the first one did, its state
+        starting afresh, as the new optimizer's does in plain Lightning (before, it stepped the module's parameters,
+        which no backward reaches, and training stopped)."""
+        if len(self.optimizers) != 1:
+            raise RuntimeError(_ONE_OPTIMIZER.format(count=len(self.optimizers)))
+        old, optimizer = self._optimizer_seen, self.optimizers[0]
+        check_elementwise(optimizer, self.elementwise_optimizers)
+        if old is not None:
+            vars(old).pop("zero_grad", None)  # (crossbow's, see _show_gradients_zeroed_with_the_replicas)
+        self._optimizer_seen = optimizer
+        self._repoint_optimizer()
+        self._unfused_groups = set()
+        self._unfuse_for_replicas(optimizer)
+        self._param_groups_seen = len(optimizer.param_groups)
+        if self._reads_gradients:
+            self._show_gradients_zeroed_with_the_replicas(optimizer)
 
     def _give_replicas_to(self, buckets: list[list[str]]) -> None:
         """Parameters that had no replicas (frozen when training started) get them, each replica a copy of z, the

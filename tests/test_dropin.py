@@ -1227,6 +1227,44 @@ def test_stochastic_weight_averagings_batchnorm_epoch_logs_what_training_step_lo
     assert seen["crossbow"]["samples"] == seen["plain"]["samples"] == 64
 
 
+class _SwitchesToSGD(L.Callback):
+    """At epoch 1 the module's configure_optimizers makes SGD instead of Adam, which a callback takes in: through
+    the strategy's setup_optimizers, or by setting trainer.optimizers."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.hparams.optimizer = "sgd"
+            if self.how == "setup_optimizers":
+                trainer.strategy.setup_optimizers(trainer)
+            else:
+                trainer.optimizers = [pl_module.configure_optimizers()]
+
+
+@pytest.mark.parametrize("how", ["setup_optimizers", "trainer.optimizers"])
+def test_an_optimizer_made_during_fit_steps_the_replicas(how: str) -> None:
+    """Before, the new optimizer stepped the module's parameters, which no backward reaches: training stopped
+    without a word. Now k=1 is plain Lightning's run bitwise, and at k=2 the weights keep moving after the switch."""
+    dataset = make_data(num_samples=64)
+    assert_one_replica_is_plain_lightning(
+        lambda: Classifier(optimizer="adam"), dataset, epochs=3, callbacks=lambda: [_SwitchesToSGD(how)]
+    )
+    weights = []
+
+    class Weights(L.Callback):
+        def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            weights.append(pl_module.net[0].weight.detach().clone())
+
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=3, callbacks=[_SwitchesToSGD(how), Weights()]
+    )
+    fit.fit(Classifier(optimizer="adam"), loader(dataset))
+    assert isinstance(fit.optimizers[0], torch.optim.SGD)
+    assert not torch.equal(weights[1], weights[0]) and not torch.equal(weights[2], weights[1])
+
+
 def test_resuming_with_another_algorithm_says_so(tmp_path: Path) -> None:
     first = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
     first.fit(Classifier(), loader(make_data(num_samples=32)))
