@@ -310,6 +310,40 @@ class ReplicaStack:
             else:
                 stack[rows] = center
 
+    def note_center_params(self, module: nn.Module) -> None:
+        """Notes z's parameters with replicas (``module``'s own) as they are now: what
+        :meth:`take_center_param_changes_` compares against."""
+        self._center_params_seen = {
+            name: (param, param._version)
+            for bucket in self.buckets
+            for name in bucket.names
+            if (param := module.get_parameter(name)) is not None
+        }  # (the parameter object too: its version counter is its own)
+
+    @torch.no_grad()
+    def take_center_param_changes_(self, module: nn.Module) -> list[str]:
+        """Every replica, and z's previous value (its momentum's), take z's value of each parameter written in place
+        since :meth:`note_center_params` (or of every one, where the module's parameters no longer live in z, moved by
+        ``.to()``): weights that a hook set after the replicas were made (an initialisation or a warm start in
+        ``on_fit_start``), which the learners of rules that keep them apart (``sma``, ``easgd``, gossip) start from,
+        as plain Lightning trains from them. Returns their names. (A version counter per parameter: nothing is
+        compared value by value.)"""
+        seen = getattr(self, "_center_params_seen", {})
+        if not self.is_bound():
+            self.rebind_(module)  # (z takes the module's values)
+            changed = list(seen)
+        else:
+            changed = [name for name, (param, version) in seen.items() if param._version != version]
+        if not changed:
+            return []
+        spans = {name: (bucket, start, end) for bucket in self.buckets for name, start, end, _ in bucket.slices()}
+        for name in changed:
+            bucket, start, end = spans[name]
+            bucket.replicas[:, start:end] = bucket.center[start:end]
+            bucket.center_prev[start:end] = bucket.center[start:end]
+        self.note_center_params(module)
+        return changed
+
     def _center_buffer(self, name: str) -> Optional[Tensor]:
         """z's buffer ``name``, as the module holds it now (None where it was set to None)."""
         owner, attribute = self._center_buffer_slots[name]

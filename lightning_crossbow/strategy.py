@@ -530,7 +530,8 @@ class CrossbowStrategy(DDPStrategy):
         self._unfused_groups = set()
         self._unfuse_for_replicas(optimizer)
         self._param_groups_seen = len(optimizer.param_groups)
-        self._optimizer_seen: Optional[Optimizer] = optimizer
+        self._optimizer_seen = optimizer
+        self.stack.note_center_params(module)  # (noted again after a checkpoint's restore)
         self._without_replicas = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
         self._fastest_engine.clear()  # (a new fit may train another model: its engines are measured afresh)
         self.engine = self._make_engine(self.replicas_per_device)
@@ -1717,6 +1718,7 @@ class CrossbowStrategy(DDPStrategy):
             )
         assert self.stack is not None
         self._epoch.align_the_resumed_epoch(self.lightning_module.trainer, self.stack.num_replicas)
+        self.stack.take_center_param_changes_(self.lightning_module)  # (what on_fit_start, on_train_start set)
 
     @override
     def on_train_end(self) -> None:
@@ -1867,6 +1869,8 @@ class CrossbowStrategy(DDPStrategy):
         """Restores every replica, its optimizer state and z_prev; re-seeds from z when k or world size differ."""
         self._load_replicas_and_optimizer(checkpoint)
         self._unfuse_for_replicas(self.optimizers[0])  # (the checkpoint's param groups may ask for fused kernels)
+        assert self.stack is not None
+        self.stack.note_center_params(self.lightning_module)  # (a hook's changes since, at on_train_start)
 
     def _load_replicas_and_optimizer(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.stack is not None

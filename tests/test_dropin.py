@@ -1265,6 +1265,47 @@ def test_an_optimizer_made_during_fit_steps_the_replicas(how: str) -> None:
     assert not torch.equal(weights[1], weights[0]) and not torch.equal(weights[2], weights[1])
 
 
+class _InitializedIn(Classifier):
+    """Initialises its first layer's weights (xavier, gain 3) in ``hook``: ``__init__``, ``on_fit_start`` or
+    ``on_train_start``."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__()
+        self.hook = hook
+        if hook == "__init__":
+            self._initialize()
+
+    def _initialize(self) -> None:
+        torch.manual_seed(7)
+        with torch.no_grad():
+            nn.init.xavier_uniform_(self.net[0].weight, gain=3.0)
+
+    def on_fit_start(self) -> None:
+        if self.hook == "on_fit_start":
+            self._initialize()
+
+    def on_train_start(self) -> None:
+        if self.hook == "on_train_start":
+            self._initialize()
+
+
+@pytest.mark.parametrize("algorithm", ["sma", "easgd", "gossip"])
+def test_weights_set_in_on_fit_start_or_on_train_start_are_the_learners_start(algorithm: str) -> None:
+    """The replicas are made at set-up, before those hooks: under the rules that keep learners apart (whose
+    learners do not restart from z every step) they started from the weights before the hook's, and gossip's z
+    (their mean) dropped the hook's change altogether. Now the fit is the one initialised in __init__, bitwise."""
+    weights = {}
+    for hook in ("__init__", "on_fit_start", "on_train_start"):
+        model = _InitializedIn(hook)
+        trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm=algorithm)).fit(
+            model, loader(make_data(num_samples=64))
+        )
+        weights[hook] = [p.detach().clone() for p in model.parameters()]
+    for hook in ("on_fit_start", "on_train_start"):
+        for a, b in zip(weights["__init__"], weights[hook], strict=True):
+            assert torch.equal(a, b)
+
+
 def test_resuming_with_another_algorithm_says_so(tmp_path: Path) -> None:
     first = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
     first.fit(Classifier(), loader(make_data(num_samples=32)))

@@ -511,11 +511,11 @@ def test_a_loader_made_before_the_restore_and_made_again_for_the_resumed_epoch_g
 
 def test_a_place_beyond_a_smaller_training_sets_order_starts_the_order_again_saying_so(tmp_path: Path) -> None:
     """Saved after 64 of epoch 1's 96 samples (step 5), resumed over 40 samples: the place is not taken."""
-    _shuffled_heterogeneous_fit(4, SaveAtStep(5, tmp_path / "step8.ckpt"))
+    _shuffled_heterogeneous_fit(4, SaveAtStep(5, tmp_path / "step5.ckpt"))
     strategy = CrossbowStrategy(replicas_per_device=4, heterogeneous=True)
     with pytest.warns(UserWarning, match=r"place in the common order \(after 64 samples\) lies beyond the 40 samples"):
         trainer(strategy=strategy, max_epochs=2).fit(
-            Classifier(lr=0.1), loader(make_data(num_samples=40), shuffle=True), ckpt_path=tmp_path / "step8.ckpt"
+            Classifier(lr=0.1), loader(make_data(num_samples=40), shuffle=True), ckpt_path=tmp_path / "step5.ckpt"
         )
 
 
