@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +39,20 @@ def _job_number(result: Path) -> tuple[int, str]:
 class ResultsTable(Callback):
     """On the end of a multirun, prints and writes ``results.md`` with one row per run of this sweep: a sweep folder
     used again (``hydra.sweep.dir=...``) may hold the results of an earlier sweep's other jobs, written before this
-    sweep started, which are not its rows."""
+    sweep started (by the file system's clock), which are not its rows."""
 
     def __init__(self) -> None:
         self._started: float | None = None  #: when this sweep started (time.time()), once it has
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._started = time.time() - 1.0  # (a file's time may lag the clock by the kernel's tick)
+        # (the time of a file written there now, not this machine's clock: the results' times come from the same
+        # file system, which may be another machine's)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        marker = sweep_dir / ".sweep_started"
+        marker.touch()
+        self._started = marker.stat().st_mtime
+        marker.unlink()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

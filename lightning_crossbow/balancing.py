@@ -179,6 +179,7 @@ class SpeedBalancer:
         self.lr_follows_batch = lr_follows_batch
         self._busy_since: Optional[float] = None
         self._window: list[float] = []  # this rank's busy seconds, one per step
+        self._window_resumes = False  # a window restored from a checkpoint, until training starts
         #: Per rank, measured busy seconds per step by learner-batches u (insertion order: oldest first).
         self.measured: list[dict[float, float]] = []
         #: ``(step, split, batch sizes)`` for every layout scheduled, the first one included (batch sizes None: the
@@ -191,6 +192,7 @@ class SpeedBalancer:
         """Forgets the step in progress and the window (at a new fit, or when another split comes in force)."""
         self._busy_since = None
         self._window.clear()
+        self._window_resumes = False
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the measurements the models fit and the most learners per rank (every rank's, the
@@ -204,8 +206,9 @@ class SpeedBalancer:
 
     def load_state_dict(self, state: Mapping[str, Any], window: bool = True) -> None:
         """Goes on from a checkpoint's :meth:`state_dict` (of as many ranks): the models from its measurements and,
-        with ``window`` (the fit carries on its layout), its layouts scheduled and its window, to which the step in
-        progress adds from now on, as the step after the save would have."""
+        with ``window`` (the fit carries on its layout), its layouts scheduled and its window, to which the first
+        step adds, measured from when training starts (:meth:`resume_window`), as the step after the save would
+        have."""
         self.measured = [{float(units): float(seconds) for units, seconds in by_u} for by_u in state["measured"]]
         self.most = list(state["most"]) if state["most"] is not None else None
         if window:
@@ -213,7 +216,20 @@ class SpeedBalancer:
                 (int(step), tuple(split), tuple(sizes) if sizes else None) for step, split, sizes in state["history"]
             ]
             self._window = [float(seconds) for seconds in state["window"]]
+            self._window_resumes = True
+
+    def resume_window(self) -> None:
+        """When training starts (after the sanity check and the loader's set-up): a window restored by
+        :meth:`load_state_dict` measures the first step from here."""
+        if self._window_resumes:
+            self._window_resumes = False
             self._busy_since = self.clock()
+
+    def forget_measurements(self) -> None:
+        """Drops the models' measurements and the window (taken in learner-batches of another DataLoader batch
+        size): the next windows measure afresh."""
+        self.measured, self.most = [], None
+        self.restart()
 
     def sync_done(self) -> None:
         """Called when a step's averaging ends: this rank is busy with its own work from now on."""

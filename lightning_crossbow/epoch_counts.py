@@ -65,6 +65,10 @@ class EpochCounts:
     def _routed(self) -> bool:
         return isinstance(self.loader, RoutedBatchLoader)
 
+    def _sized(self) -> bool:
+        """Whether the training loader's passes have a length (a routed one's always do)."""
+        return self._routed() or (self.loader is not None and loader_length(self.loader.loader) is not None)
+
     def train_limit(self, trainer: "pl.Trainer") -> Union[int, float]:
         """The user's ``limit_train_batches`` (a fraction even while Lightning holds it as steps)."""
         return self.train_fraction if self.train_fraction is not None else trainer.limit_train_batches
@@ -108,7 +112,7 @@ class EpochCounts:
         fit_loop = trainer.fit_loop
         if not (self.follows_k and self.epoch_begun and self.loader is not None):
             return
-        if not math.isfinite(fit_loop.max_batches):
+        if not math.isfinite(fit_loop.max_batches) or not self._sized():
             return
         limit = self.train_limit(trainer)
         if isinstance(limit, float) and limit < 1.0:
@@ -125,8 +129,8 @@ class EpochCounts:
         forward-only pass): a new epoch starts its checks afresh; its length is counted again where Lightning
         counted it at another k; a fractional ``val_check_interval`` timed by batches tells the step whether it
         validates (``k``: the replicas' count)."""
+        self.epoch_begun = True  # (also where a fit resumed in an epoch's middle begins)
         if batch_idx == 0:
-            self.epoch_begun = True
             self.k_changed_in_epoch = False
             self.checks_done = self.checks_if_validated = 0
         if (batch_idx == 0 and self.follows_k) or self.recount_at_next_batch or self.resumed_mid_pass():
@@ -234,11 +238,11 @@ class EpochCounts:
 
     def replicas_keeping_validation(self, trainer: "pl.Trainer") -> Optional[int]:
         """The largest k whose epochs still hold ``val_check_interval`` steps where that is a number of steps within
-        each epoch (an int, with ``check_val_every_n_epoch`` set: Lightning refuses a longer one at set-up, and an
-        epoch shorter than it never validates); at least 1. None where no such bound holds (a fraction, checks
-        counted across epochs, a loader without a length, routed data)."""
+        each epoch (an int, with ``check_val_every_n_epoch`` set and validation on: Lightning refuses a longer one at
+        set-up, and an epoch shorter than it never validates); at least 1. None where no such bound holds (a
+        fraction, checks counted across epochs, ``limit_val_batches=0``, a loader without a length, routed data)."""
         interval = trainer.val_check_interval
-        if not isinstance(interval, int) or trainer.check_val_every_n_epoch is None:
+        if not isinstance(interval, int) or trainer.check_val_every_n_epoch is None or trainer.limit_val_batches == 0:
             return None
         if self.loader is None or self._routed():
             return None
@@ -287,8 +291,8 @@ class EpochCounts:
         Lightning applies it: a fraction of the loader's batches, or a number of steps), the last step the
         fetcher marks, and the step of a fractional ``val_check_interval`` (``k``: the replicas' count)."""
         fit_loop = trainer.fit_loop
-        if self.loader is None or not math.isfinite(fit_loop.max_batches):
-            return
+        if self.loader is None or not math.isfinite(fit_loop.max_batches) or not self._sized():
+            return  # (a loader without a length: Lightning's count, an integer limit's, does not depend on k)
         limit = self.train_limit(trainer)
         if isinstance(limit, int):
             epoch_length = min(limit, self.loader.groups_in_pass())

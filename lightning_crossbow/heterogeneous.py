@@ -183,8 +183,11 @@ class LearnerLayouts:
     def check_restored_batch_sizes(self) -> None:
         """Once the DataLoader is made: a resume carries on the checkpoint's larger batches only with the DataLoader
         batch size they were sized for and within this balancer's ``max_batch_scale``; else its learners start at
-        the DataLoader's batch size, with a warning."""
+        the DataLoader's batch size, with a warning, and the balancer's window starts afresh (with another DataLoader
+        batch size, its measurements too)."""
         base, self.restored_batch_base = self.restored_batch_base, None
+        if base is not None and base != self.plan.batch_size:  # (the balancer measured learner-batches of base)
+            self.balancer.forget_measurements()
         sizes = self.plan.scaled_batch_sizes()
         if not sizes:
             return
@@ -192,6 +195,7 @@ class LearnerLayouts:
             return
         self.plan.forget_batch_sizes()
         self.batch_sizes = None
+        self.balancer.restart()  # (its window measured the larger batches)
         rank_zero_warn(
             f"crossbow: the checkpoint's per-replica batch sizes {sizes[0]} were sized for a DataLoader batch size of"
             f" {base}; here it is {self.plan.batch_size} with max_batch_scale={self.balancer.max_batch_scale}, so"

@@ -1100,14 +1100,17 @@ class CrossbowStrategy(DDPStrategy):
 
     def _refuse_a_step_longer_than_an_epoch(self, replicas_per_device: int) -> None:
         """During fit, a new k whose one step takes more batches than an epoch has would train nothing from then on:
-        refused, as at set-up (the same on every rank: every rank's epoch has as many batches)."""
-        assert self._grouped is not None
-        if isinstance(self._grouped, RoutedBatchLoader):  # (K learners, at the DataLoader's batch size)
-            have, need = self._grouped.routed_sampler.batches_per_epoch(), replicas_per_device * self.world_size
+        refused, as at set-up (the same on every rank: every rank's epoch has as many batches). Before this fit's
+        loader is made (in ``on_fit_start``), the loader's own set-up checks it."""
+        loader = self._fit_loader
+        if loader is None:
+            return
+        if isinstance(loader, RoutedBatchLoader):  # (K learners, at the DataLoader's batch size)
+            have, need = loader.routed_sampler.batches_per_epoch(), replicas_per_device * self.world_size
             over = f" over {self.world_size} processes" if self.world_size > 1 else ""
             what = f"the {need} that one step{over} would take"
         else:
-            have, need = self._grouped.pass_batches(), replicas_per_device
+            have, need = loader.pass_batches(), replicas_per_device
             what = f"the {need} that one step would take"
         if have is not None and 0 < have < need:
             most = max(1, have // (need // replicas_per_device))
@@ -1719,6 +1722,8 @@ class CrossbowStrategy(DDPStrategy):
         assert self.stack is not None
         self._epoch.align_the_resumed_epoch(self.lightning_module.trainer, self.stack.num_replicas)
         self.stack.take_center_param_changes_(self.lightning_module)  # (what on_fit_start, on_train_start set)
+        if self.balancer is not None:
+            self.balancer.resume_window()
 
     @override
     def on_train_end(self) -> None:

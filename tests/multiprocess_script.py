@@ -216,6 +216,7 @@ class SaveFinalState(L.Callback):
                 "global_step": trainer.global_step,
                 "seen": [torch.cat(inputs) if inputs else torch.empty(0) for inputs in self.seen],
                 "splits": strategy.balancer.history if strategy.balancer is not None else None,
+                "measured": strategy.balancer.measured if strategy.balancer is not None else None,
                 "validation_batches": self.validation_batches,
                 "epoch_counts": self.epoch_counts,
                 "estimated_steps": getattr(pl_module, "estimated_steps", None),

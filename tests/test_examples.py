@@ -133,9 +133,9 @@ def test_the_sweep_table_holds_this_sweeps_jobs_only(tmp_path) -> None:
     table = ResultsTable()
     (tmp_path / "5").mkdir()
     (tmp_path / "5" / "result.json").write_text(json.dumps({"overrides": ["job=5"]}))
-    table.on_multirun_start(OmegaConf.create({}))
     earlier = time.time() - 60
     os.utime(tmp_path / "5" / "result.json", (earlier, earlier))  # (written before this sweep started)
+    table.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     for job in (0, 1):
         (tmp_path / str(job)).mkdir()
         (tmp_path / str(job) / "result.json").write_text(json.dumps({"overrides": [f"job={job}"]}))

@@ -961,8 +961,9 @@ def test_a_resume_in_the_balancers_window_goes_on_with_its_measurements_and_sche
     """Saved after the first step of the balancer's first window (2 steps; rank 1 3x slower, a virtual clock) and
     resumed: the window goes on with the step measured before the save, so the split changes at the same step as in
     the run that went on, and the resumed fit is that run bitwise, its history of layouts too. (Before, the window
-    started afresh and the change came two steps later.) A resume saved after that window carries on its
-    measurements: the balancer keeps the models it fitted."""
+    started afresh and the change came two steps later.) A resume saved after the next window carries on its
+    measurements: the balancer ends with the models the run that went on fitted, its first window's (at the even
+    split, u = 4 learner-batches on each rank) included, which the resumed fit never measured."""
     straight = four_epochs
     assert [step for step, _, _ in straight[0]["splits"]] == [0, 2]
     early, late = str(tmp_path / "step1.ckpt"), str(tmp_path / "step8.ckpt")
@@ -974,6 +975,8 @@ def test_a_resume_in_the_balancers_window_goes_on_with_its_measurements_and_sche
             assert resumed[rank]["group_sizes"][-3:] == straight[rank]["group_sizes"][-3:]
             for x, y in zip(straight[rank]["z"], resumed[rank]["z"], strict=True):
                 assert torch.equal(x, y)
+            assert resumed[rank]["measured"] == straight[rank]["measured"]
+            assert 4.0 in resumed[rank]["measured"][0]
     saved = torch.load(late, weights_only=False)["crossbow"]["ranks"]
     measured = [[[4.0, 4.0], [6.0, 6.0]], [[4.0, 12.0], [2.0, 6.0]]]  # (per rank: learner-batches u, seconds)
     assert [rank["balancer"]["measured"] for rank in saved] == [measured, measured]

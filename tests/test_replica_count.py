@@ -6,7 +6,7 @@ import copy
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -133,12 +133,14 @@ class _EpochCounts(L.Callback):
     """Per epoch: [Lightning's count of its steps at its start (what a progress bar shows), its steps]."""
 
     def __init__(self) -> None:
-        self.counts: list[list[int]] = []
+        self.counts: list[list[Optional[int]]] = []
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.counts.append([trainer.num_training_batches, 0])
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self.counts:  # (an epoch resumed in its middle: Lightning does not start it again)
+            self.counts.append([None, 0])
         self.counts[-1][1] += 1
 
 
@@ -157,6 +159,49 @@ def test_an_epoch_after_a_change_of_k_is_counted_before_the_callbacks_see_it(lim
     fit.fit(Classifier(), loader(make_data(num_samples=8 * 14)))
     steps = {1.0: 7, 0.5: 3, 5: 5}[limit]
     assert counts.counts[1:] == [[steps, steps], [steps, steps]]
+
+
+def test_the_epoch_after_a_resume_in_an_epochs_middle_is_counted_at_its_start(tmp_path: Path) -> None:
+    """Saved after step 1 at k=4 (14 batches an epoch) and resumed at k=2: the resumed epoch trains its rest, and the
+    next one, 7 steps at k=2, shows 7 at its start (before: 6, the resumed epoch's count)."""
+
+    class SaveAtStep1(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1:
+                trainer.save_checkpoint(tmp_path / "step1.ckpt")
+
+    dataset = make_data(num_samples=8 * 14)
+    trainer(strategy=CrossbowStrategy(replicas_per_device=4), callbacks=[SaveAtStep1()]).fit(
+        Classifier(), loader(dataset)
+    )
+    counts = _EpochCounts()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), callbacks=[counts], max_epochs=3)
+    fit.fit(Classifier(), loader(dataset), ckpt_path=tmp_path / "step1.ckpt")
+    assert counts.counts[1:] == [[7, 7], [7, 7]]
+
+
+class _Streamed(torch.utils.data.IterableDataset):
+    def __init__(self, num_samples: int) -> None:
+        self.data = make_data(num_samples=num_samples)
+
+    def __iter__(self) -> Any:
+        return iter(self.data)
+
+
+def test_a_new_k_with_a_loader_without_a_length_and_an_integer_limit_goes_on() -> None:
+    """limit_train_batches=10 steps an epoch over a loader without a length (a stream): a change of k raised
+    "the wrapped loader has no length" where the epoch's count of steps follows k; that count, the limit, does not
+    depend on k."""
+    change, counts = ChangeReplicasAtBatch(at_step=1, new_k=3), _EpochCounts()
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2),
+        callbacks=[change, counts],
+        max_epochs=2,
+        limit_train_batches=10,
+    )
+    fit.fit(Classifier(), torch.utils.data.DataLoader(_Streamed(8 * 80), batch_size=8))
+    assert change.group_sizes == [2, 2] + [3] * 8 + [3] * 10
+    assert counts.counts == [[10, 10], [10, 10]]
 
 
 class _CountsItems(torch.utils.data.Dataset):

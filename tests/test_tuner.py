@@ -874,3 +874,10 @@ def test_the_tuner_keeps_an_integer_val_check_intervals_steps_in_every_epoch() -
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[AskForFive()], val_check_interval=5)
     with pytest.raises(ValueError, match=r"fewer steps than val_check_interval=5 .*Use at most replicas_per_device=4"):
         fit.fit(Classifier(), loader(make_data(num_samples=160)), loader(make_data(num_samples=16)))
+    # with validation off (limit_val_batches=0, where Lightning does not check val_check_interval), no bound
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[AskForFive()], val_check_interval=5,
+        limit_val_batches=0, max_steps=3,
+    )  # fmt: skip
+    fit.fit(Classifier(), loader(make_data(num_samples=160)), loader(make_data(num_samples=16)))
+    assert fit.strategy.replicas_keeping_validation() is None and fit.strategy.replicas_per_device == 5
