@@ -199,6 +199,15 @@ class Engine(ABC):
         return False
 
 
+_CHANGED_A_PARAMETER_IN_PLACE = (
+    "crossbow: the training_step changed a parameter in place (a clamp_ or a renormalisation under torch.no_grad(),"
+    " say). The sequential engine hands each replica its weights as views of the stacked replicas, which autograd"
+    " does not let a step change in place. Change them outside the step (in on_train_batch_start, or in a callback"
+    " after the optimizer step), or use engine='fused', which runs such a step (every group of batches stackable:"
+    " batches of one size)."
+)
+
+
 class SequentialEngine(Engine):
     """One ``training_step`` call per replica, in a loop. Runs anything plain Lightning runs, except, with several
     replicas, a layer that changes its weight in place during the forward (:func:`layer_changing_its_weight`)."""
@@ -260,7 +269,12 @@ class SequentialEngine(Engine):
         for index, ((params, buffers), batch) in enumerate(zip(stack.unbind(), batches, strict=True)):
             replaced: dict[str, Tensor] = {}
             with self._replica_context(index), capture.recording(self.module) as calls:
-                outputs.append(self._training_step(params, buffers, batch, args, replaced))
+                try:
+                    outputs.append(self._training_step(params, buffers, batch, args, replaced))
+                except RuntimeError as error:
+                    if "of Unbind" in str(error) and "modified inplace" in str(error):
+                        raise RuntimeError(_CHANGED_A_PARAMETER_IN_PLACE) from error
+                    raise
             capture.add(calls, batch)
             self._replaced.append((buffers, replaced))
         return outputs

@@ -350,3 +350,25 @@ def test_a_loss_that_is_not_a_tensor_gets_one_clear_error_from_every_engine(
             _ReturnsANonTensor(loss, as_dict), loader(make_data())
         )
     assert not [w for w in recwarn if "Falling back" in str(w.message)]  # (auto: the same error either way)
+
+
+class _ClampsInTheStep(Classifier):
+    """Projects its first layer's weights in training_step (a max-norm constraint)."""
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.net[0].weight.clamp_(-0.3, 0.3)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_parameter_changed_in_place_in_the_step_says_what_the_sequential_engine_cannot_run() -> None:
+    """Under the sequential engine each replica's weights are unbind views, which autograd does not let the step change
+    in place: the error says so and where to change them (before: PyTorch's own "Output 0 of Unbind is a view" alone).
+    The fused engine runs the step, each replica clamping its own weights."""
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="sequential"))
+    with pytest.raises(RuntimeError, match=r"training_step changed a parameter in place .* engine='fused'"):
+        fit.fit(_ClampsInTheStep(), loader(make_data()))
+    model = _ClampsInTheStep()
+    fused = trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="fused"), max_steps=2)
+    fused.fit(model, loader(make_data()))
+    assert model.trainer.global_step == 2
