@@ -232,6 +232,8 @@ _OWN_ATTRIBUTES = (
     "_drawn",
     "_pass_length",
     "_tail",
+    "current_group",
+    "_order_samples_taken",
 )
 
 
@@ -433,6 +435,17 @@ class ReplicaBatchLoader:
             self._count_pass_from(counts, restarted=True)
         else:
             self._resume_at, self._restart_counted = counts, True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute of the wrapped loader's that is not the wrapper's own is set there: what Lightning writes on
+        the training loader (``worker_init_fn`` under ``seed_everything(workers=True)``, ``_iterator`` when it shuts
+        down persistent workers) reaches it, as in plain Lightning."""
+        own = name in _OWN_ATTRIBUTES or name in vars(self) or hasattr(type(self), name)
+        loader = vars(self).get("loader")
+        if not own and loader is not None and hasattr(loader, name):
+            setattr(loader, name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         if name in _OWN_ATTRIBUTES:  # not set yet (e.g. while unpickling)

@@ -1306,6 +1306,29 @@ def test_weights_set_in_on_fit_start_or_on_train_start_are_the_learners_start(al
             assert torch.equal(a, b)
 
 
+def test_lightning_sets_the_worker_init_function_on_the_users_loader_as_in_plain_lightning() -> None:
+    """seed_everything(workers=True): Lightning gives the training DataLoader its worker_init_fn (which mixes the
+    rank into each worker's seeds); before, it landed on crossbow's wrapper, and the workers drew other numbers."""
+    for strategy in ("auto", CrossbowStrategy(replicas_per_device=2)):
+        with seed_environment_kept():
+            L.seed_everything(0, workers=True, verbose=False)
+            data = loader(make_data(num_samples=32))
+            trainer(strategy=strategy, max_steps=1).fit(Classifier(), data)
+            assert data.worker_init_fn is not None, strategy
+
+
+def test_a_loader_with_persistent_workers_trains_again_after_a_fit() -> None:
+    """Lightning shuts the persistent workers down when fit ends and drops the loader's iterator: before, it dropped
+    the wrapper's, the DataLoader kept its dead one, and the next fit (or any iteration) raised "Queue is closed"."""
+    data = loader(make_data(num_samples=32), num_workers=1, persistent_workers=True)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
+    fit.fit(Classifier(), data)
+    fit.fit_loop.max_epochs = 2
+    fit.fit(fit.lightning_module, data)
+    assert fit.global_step == 4
+    assert len(list(data)) == 4
+
+
 def test_resuming_with_another_algorithm_says_so(tmp_path: Path) -> None:
     first = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
     first.fit(Classifier(), loader(make_data(num_samples=32)))
