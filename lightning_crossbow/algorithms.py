@@ -451,7 +451,9 @@ class Gossip(Averaging):
         \qquad s_t = 1 + (t \bmod (K - 1))
 
     The peer shift ``s_t`` cycles through every other learner, so information reaches all ``K``
-    learners within ``K - 1`` steps. The mixing is doubly stochastic: the learners' mean, which is z,
+    learners within ``K - 1`` steps. (With ``averaging_period = H > 1``, ``t`` counts periods, ``global_step // H``:
+    an epoch's last averaging, which may end a period early, takes its period's shift, and the next period's first
+    averaging may take the same one.) The mixing is doubly stochastic: the learners' mean, which is z,
     moves exactly as if they were averaged, but no process waits for all others; across processes a
     step sends and receives point to point (:func:`~lightning_crossbow.collectives.pull_rows`),
     never all-reduces. Across processes z is therefore only formed (one all-reduce) at every epoch's end, at

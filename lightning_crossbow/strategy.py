@@ -899,7 +899,8 @@ class CrossbowStrategy(DDPStrategy):
         """With ``reset_on_lr_drop``: the replicas restart from z when the lr has dropped since the last optimizer
         step (:func:`lr_dropped`). Called once per optimizer step, before it. Between two averagings
         (``averaging_period > 1``), z has not taken in the replicas' steps since the last one: they restart from z
-        right after the next (no collective here: a drop that one process alone sees must not leave others waiting)."""
+        right after the next (no collective here: a drop that one process alone sees must not leave others waiting).
+        Gossip, whose learners meet at their mean on each process instead of at z, resets right at the drop."""
         optimizer = self.optimizers[0]
         lrs = [float(group["lr"]) for group in optimizer.param_groups]
         dropped = (
@@ -1287,6 +1288,8 @@ class CrossbowStrategy(DDPStrategy):
             reset_state_rows_(optimizer, diverged, self._stacked_leaves())
         if self.averaging.center_is_learner_mean:
             self._center_stale = True
+            if self.world_size == 1:  # gossip's z, the learners' mean, after every step where it needs no collective
+                self.sync_center()
         if self.balancer is not None:  # (every step is measured; a window that ends here waits for the averaging)
             self._wait_for_device()
             self.balancer.work_done()

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import lightning as L
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_crossbow import CrossbowStrategy
@@ -459,3 +459,25 @@ def test_the_tuners_windows_hold_whole_averaging_periods() -> None:
     ends = [record.step for record in tuner.history]
     assert len(ends) >= 3 and set(ends) <= set(averaging.steps)
     assert all(later - earlier >= 5 for earlier, later in zip(ends, ends[1:]))
+
+
+@pytest.mark.parametrize("log_every_n_steps", [1, 50])
+def test_on_one_process_gossips_z_is_the_learners_mean_after_every_step_between_averagings(
+    log_every_n_steps: int,
+) -> None:
+    """Gossip keeps no z while training; on one process it forms z, the learners' mean, after every step, also
+    between averagings (averaging_period=3), whatever the logging: before, a callback saw the mean at logging steps
+    only (which form it for the logged spread), and the last averaging's z otherwise."""
+    seen: list[tuple[Tensor, Tensor]] = []
+
+    class ReadsZ(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+            stack = trainer.strategy.stack
+            seen.append((pl_module.net[0].weight.detach().clone(), stack.params["net.0.weight"].detach().mean(0)))
+
+    strategy = CrossbowStrategy(replicas_per_device=3, algorithm="gossip", averaging_period=3)
+    fit = trainer(strategy=strategy, callbacks=[ReadsZ()], log_every_n_steps=log_every_n_steps, max_steps=5)
+    fit.fit(Classifier(), loader(make_data(num_samples=8 * 15)))
+    assert len(seen) == 5
+    for z, mean in seen:
+        torch.testing.assert_close(z, mean)
