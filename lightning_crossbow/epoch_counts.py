@@ -38,6 +38,15 @@ def limit_argument(trainer: "pl.Trainer") -> str:
     return "overfit_batches" if trainer.overfit_batches else "limit_train_batches"
 
 
+def smallest_fraction_taking(batches: int, length: int) -> float:
+    """The smallest fraction of 4 decimals whose ``int(length * fraction)``, as Lightning counts a fractional limit,
+    is at least ``batches`` (``batches / length`` rounded up: rounded to nearest it may fall short)."""
+    fraction = math.ceil(batches / length * 1e4) / 1e4
+    while int(length * fraction) < batches:  # (float rounding)
+        fraction += 1e-4
+    return round(fraction, 4)
+
+
 class EpochCounts:
     """Keeps Lightning's counts of the training epoch (its steps, the step it marks last, the steps after which it
     validates) right for the groups of :attr:`loader` (set by the strategy when it makes the training loader)."""
@@ -92,7 +101,7 @@ class EpochCounts:
                 f"crossbow: {name}={fraction} of the training DataLoader's {length} batches is"
                 f" {batches} batches, fewer than the {grouped.num_replicas} that one step takes"
                 f" (replicas_per_device={grouped.num_replicas}): not one step could be made. Use"
-                f" {name} >= {grouped.num_replicas / length:.3g}, or fewer replicas."
+                f" {name} >= {smallest_fraction_taking(grouped.num_replicas, length):g}, or fewer replicas."
             )
         self.train_fraction, trainer.limit_train_batches = fraction, steps
         grouped.batch_limit = batches  # (the batches that fill no step are drawn all the same)

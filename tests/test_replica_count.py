@@ -1213,3 +1213,18 @@ def test_a_change_of_k_at_an_epochs_last_step_holds_when_the_loader_is_reloaded(
     fit.fit(Classifier(), loader(make_data(num_samples=192)))
     assert change.group_sizes == [2] * 12 + [3] * 8 * 2
     assert fit.strategy.replicas_per_device == 3
+
+
+def test_the_smallest_fraction_a_refusal_names_takes_one_step() -> None:
+    """81 batches at k=10: 10/81 = 0.12346 rounded to nearest, 0.123, makes int(81 x 0.123) = 9 batches and is refused
+    again; the message names 0.1235, which takes 10, and is accepted."""
+    from lightning_crossbow.epoch_counts import smallest_fraction_taking
+
+    assert smallest_fraction_taking(10, 81) == 0.1235 and int(81 * 0.1235) == 10
+    assert all(int(length * smallest_fraction_taking(k, length)) >= k for length in range(1, 200) for k in (1, 3, 10))
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=10), limit_train_batches=0.1)
+    with pytest.raises(ValueError, match=r"Use limit_train_batches >= 0.1235, or fewer replicas"):
+        fit.fit(Classifier(), loader(make_data(num_samples=8 * 81)))
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=10), limit_train_batches=0.1235)
+    fit.fit(Classifier(), loader(make_data(num_samples=8 * 81)))
+    assert fit.global_step == 1
