@@ -19,10 +19,10 @@ whole-epoch limits; a fraction of its common order is not supported (Lightning's
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -331,12 +331,37 @@ class EpochCounts:
                 fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
 
 
-class CountEpochAtItsStart(Callback):
-    """Counts each epoch's steps before any other callback reads them (:meth:`EpochCounts.count_the_epoch_to_come`):
-    the strategy puts it first among the trainer's callbacks."""
+class ShowEpochCounts(Callback):
+    """Shows the other callbacks each epoch's count of steps as :class:`EpochCounts` keeps it: counts an epoch at its
+    start, before they read it (:meth:`EpochCounts.count_the_epoch_to_come`), and gives Lightning's progress bar the
+    new total where k (or the layout) changes within an epoch (it reads the total only as the epoch starts). The
+    strategy puts it first among the trainer's callbacks."""
+
+    def __init__(self) -> None:
+        self._shown: Optional[int] = None  #: the total the progress bar shows
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         counts = getattr(trainer.strategy, "_epoch", None)
         if isinstance(counts, EpochCounts):
             counts.count_the_epoch_to_come(trainer)
+        self._shown = trainer.num_training_batches
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self._show_a_new_count(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self._show_a_new_count(trainer)
+
+    def _show_a_new_count(self, trainer: "pl.Trainer") -> None:
+        total = trainer.num_training_batches
+        if total == self._shown or not math.isfinite(total):
+            return
+        self._shown = total
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, TQDMProgressBar) and bar._train_progress_bar is not None:
+            bar._train_progress_bar.total = total
+        elif isinstance(bar, RichProgressBar) and bar.progress is not None and bar.train_progress_bar_id is not None:
+            bar.progress.update(bar.train_progress_bar_id, total=total)

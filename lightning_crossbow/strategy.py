@@ -90,7 +90,7 @@ from lightning_crossbow.engines import (
     raised_inside_autograd,
     reported_as_mean,
 )
-from lightning_crossbow.epoch_counts import CountEpochAtItsStart, EpochCounts, limit_argument
+from lightning_crossbow.epoch_counts import EpochCounts, ShowEpochCounts, limit_argument
 from lightning_crossbow.gradients import MeanGradients, hooks_read_gradients
 from lightning_crossbow.heterogeneous import LearnerLayouts
 from lightning_crossbow.log_capture import LogCapture
@@ -423,8 +423,8 @@ class CrossbowStrategy(DDPStrategy):
             trainer.callbacks.insert(checkpoints[0] if checkpoints else len(trainer.callbacks), ReplicaAutoTuner())
         if self.period.period > 1 and not any(isinstance(c, AveragePendingSteps) for c in trainer.callbacks):
             trainer.callbacks.insert(0, AveragePendingSteps())  # (first: before any callback reads z)
-        if not any(isinstance(c, CountEpochAtItsStart) for c in trainer.callbacks):
-            trainer.callbacks.insert(0, CountEpochAtItsStart())  # (first: before a progress bar reads the count)
+        if not any(isinstance(c, ShowEpochCounts) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, ShowEpochCounts())  # (first: before a progress bar reads the count)
         if self.world_size == 1:
             # One process: keep the user's DataLoader and sampler exactly as they are (Lightning would otherwise
             # inject a shuffling DistributedSampler because this is a DDPStrategy).

@@ -1228,3 +1228,28 @@ def test_the_smallest_fraction_a_refusal_names_takes_one_step() -> None:
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=10), limit_train_batches=0.1235)
     fit.fit(Classifier(), loader(make_data(num_samples=8 * 81)))
     assert fit.global_step == 1
+
+
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+def test_the_progress_bar_shows_the_epochs_steps_after_a_change_of_k_within_it(bar: str) -> None:
+    """k 1 -> 4 after epoch 0's second step (20 batches: 2 steps at 1, then 4 at 4): the bar read 20 steps as the
+    epoch began and ended at 6 of 20; its total follows the change (the steps Lightning counts), and it ends full."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    class Shown(L.Callback):
+        def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            shown = trainer.progress_bar_callback
+            if isinstance(shown, TQDMProgressBar):
+                self.at_end = (shown.train_progress_bar.n, shown.train_progress_bar.total)
+            else:
+                task = shown.train_progress_bar
+                self.at_end = (int(task.completed), int(task.total))
+
+    progress, shown = TQDMProgressBar() if bar == "tqdm" else RichProgressBar(), Shown()
+    change = ChangeReplicasAtBatch(at_step=1, new_k=4)
+    fit = trainer(
+        strategy=CrossbowStrategy(replicas_per_device=1), callbacks=[progress, change, shown], enable_progress_bar=True
+    )
+    fit.fit(Classifier(), loader(make_data(num_samples=8 * 20)))
+    assert change.group_sizes == [1, 1, 4, 4, 4, 4]
+    assert shown.at_end == (6, 6)
