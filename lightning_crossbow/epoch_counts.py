@@ -232,14 +232,9 @@ class EpochCounts:
         """The largest k such that no k' <= k leaves more than a tenth of an epoch's batches out of its last,
         unfilled step (``batches mod k' <= batches / 10``); at least 1. None when the training loader has no
         length or the data are routed (heterogeneous mode)."""
-        if self.loader is None or self._routed():
-            return None
-        length = loader_length(self.loader.loader)
+        length = self._batches_an_epoch_takes(trainer)
         if length is None:
             return None
-        limit = self.train_limit(trainer)
-        if isinstance(limit, float):  # (an integer limit counts steps: its epochs never skip batches)
-            length = max(1, int(length * limit))
         k = 1
         while k < min(length, _MOST_REPLICAS_CHECKED) and not skips_over_a_tenth(length, k + 1):
             k += 1
@@ -253,15 +248,19 @@ class EpochCounts:
         interval = trainer.val_check_interval
         if not isinstance(interval, int) or trainer.check_val_every_n_epoch is None or trainer.limit_val_batches == 0:
             return None
+        length = self._batches_an_epoch_takes(trainer)
+        return None if length is None else max(1, length // interval)
+
+    def _batches_an_epoch_takes(self, trainer: "pl.Trainer") -> Optional[int]:
+        """The loader's batches that an epoch takes, under a fractional ``limit_train_batches`` its fraction of them
+        (an integer limit counts steps: its epochs never skip batches); None without a length, or for routed data."""
         if self.loader is None or self._routed():
             return None
         length = loader_length(self.loader.loader)
         if length is None:
             return None
         limit = self.train_limit(trainer)
-        if isinstance(limit, float):
-            length = max(1, int(length * limit))
-        return max(1, length // interval)
+        return max(1, int(length * limit)) if isinstance(limit, float) else length
 
     def resumed_mid_pass(self) -> bool:
         """Once per resume in the middle of a pass (a loader that saves its position): the steps trained before it
