@@ -503,7 +503,8 @@ class Gossip(Averaging):
 def restart_stranded_(rows: Tensor, center: Tensor) -> None:
     """Gossip's learners whose weights are still not finite (diverged, without a finite peer to take weights from;
     or alone, K=1) restart from the mean of this process's finite learners, or, where none is, from z as last
-    formed (``center``: at the last epoch's end, logging step or read)."""
+    formed (``center``: on one process after the last step; across processes at the last epoch's end, logging step
+    or read)."""
     stranded = ~rows.isfinite().all(1)
     if bool(stranded.any()):
         finite = rows[~stranded]

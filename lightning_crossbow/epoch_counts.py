@@ -41,10 +41,10 @@ def limit_argument(trainer: "pl.Trainer") -> str:
 def smallest_fraction_taking(batches: int, length: int) -> float:
     """The smallest fraction of 4 decimals whose ``int(length * fraction)``, as Lightning counts a fractional limit,
     is at least ``batches`` (``batches / length`` rounded up: rounded to nearest it may fall short)."""
-    fraction = math.ceil(batches / length * 1e4) / 1e4
+    fraction = math.ceil(round(batches / length * 1e4, 9)) / 1e4  # (a whole number of ten-thousandths stays one)
     while int(length * fraction) < batches:  # (float rounding)
-        fraction += 1e-4
-    return round(fraction, 4)
+        fraction = round(fraction + 1e-4, 4)
+    return fraction
 
 
 class EpochCounts:
@@ -101,7 +101,11 @@ class EpochCounts:
                 f"crossbow: {name}={fraction} of the training DataLoader's {length} batches is"
                 f" {batches} batches, fewer than the {grouped.num_replicas} that one step takes"
                 f" (replicas_per_device={grouped.num_replicas}): not one step could be made. Use"
-                f" {name} >= {smallest_fraction_taking(grouped.num_replicas, length):g}, or fewer replicas."
+                + (
+                    f" {name} >= {smallest_fraction_taking(grouped.num_replicas, length):g}, or fewer replicas."
+                    if grouped.num_replicas <= length
+                    else f" at most replicas_per_device={length}, with {name}=1.0."
+                )
             )
         self.train_fraction, trainer.limit_train_batches = fraction, steps
         grouped.batch_limit = batches  # (the batches that fill no step are drawn all the same)

@@ -234,12 +234,19 @@ class ReplicaStack:
             for name, start, end, shape in bucket.slices():
                 module.get_parameter(name).data = bucket.center[start:end].view(shape)
 
-    def is_bound(self) -> bool:
-        """Whether the module's parameters still live in the central buffers (``.to()`` breaks this)."""
-        # ``.to()``/``_apply`` replaces every parameter's data at once: one parameter per bucket tells.
+    def is_bound(self, every_parameter: bool = False) -> bool:
+        """Whether the module's parameters still live in the central buffers (``.to()`` breaks this). ``.to()`` and
+        ``_apply`` replace every parameter's data at once, so one parameter per bucket tells; ``every_parameter``
+        checks each one's place (a new tensor given to one parameter's ``.data``)."""
+        if not every_parameter:
+            return all(
+                params[0].untyped_storage().data_ptr() == bucket.center.untyped_storage().data_ptr()
+                for bucket, params in zip(self.buckets, self._module_params)
+            )
         return all(
-            params[0].untyped_storage().data_ptr() == bucket.center.untyped_storage().data_ptr()
+            param.data_ptr() == bucket.center[start:end].data_ptr() and param.shape == shape
             for bucket, params in zip(self.buckets, self._module_params)
+            for param, (_, start, end, shape) in zip(params, bucket.slices())
         )
 
     def rebind_(self, module: nn.Module) -> None:
@@ -310,38 +317,29 @@ class ReplicaStack:
             else:
                 stack[rows] = center
 
-    def note_center_params(self, module: nn.Module) -> None:
-        """Notes z's parameters with replicas (``module``'s own) as they are now: what
-        :meth:`take_center_param_changes_` compares against."""
-        self._center_params_seen = {
-            name: (param, param._version)
-            for bucket in self.buckets
-            for name in bucket.names
-            if (param := module.get_parameter(name)) is not None
-        }  # (the parameter object too: its version counter is its own)
+    def note_center_params(self) -> None:
+        """Notes z's parameters with replicas as they are now (a copy, until :meth:`take_center_param_changes_`)."""
+        self._center_seen: Optional[list[Tensor]] = [bucket.center.clone() for bucket in self.buckets]
 
     @torch.no_grad()
     def take_center_param_changes_(self, module: nn.Module) -> list[str]:
-        """Every replica, and z's previous value (its momentum's), take z's value of each parameter written in place
-        since :meth:`note_center_params` (or of every one, where the module's parameters no longer live in z, moved by
-        ``.to()``): weights that a hook set after the replicas were made (an initialisation or a warm start in
-        ``on_fit_start``), which the learners of rules that keep them apart (``sma``, ``easgd``, gossip) start from,
-        as plain Lightning trains from them. Returns their names. (A version counter per parameter: nothing is
-        compared value by value.)"""
-        seen = getattr(self, "_center_params_seen", {})
-        if not self.is_bound():
-            self.rebind_(module)  # (z takes the module's values)
-            changed = list(seen)
-        else:
-            changed = [name for name, (param, version) in seen.items() if param._version != version]
-        if not changed:
+        """Every replica, and z's previous value (its momentum's), take z's value of each parameter whose value
+        changed since :meth:`note_center_params` (in place, through ``.data``, or by a new tensor given to ``.data``,
+        which z then takes): weights that a hook set after the replicas were made (an initialisation or a warm start
+        in ``on_fit_start``), which the learners of rules that keep them apart (``sma``, ``easgd``, gossip) start
+        from, as plain Lightning trains from them. Drops the copy; returns the names."""
+        seen, self._center_seen = getattr(self, "_center_seen", None), None
+        if seen is None:
             return []
-        spans = {name: (bucket, start, end) for bucket in self.buckets for name, start, end, _ in bucket.slices()}
-        for name in changed:
-            bucket, start, end = spans[name]
-            bucket.replicas[:, start:end] = bucket.center[start:end]
-            bucket.center_prev[start:end] = bucket.center[start:end]
-        self.note_center_params(module)
+        if not self.is_bound(every_parameter=True):
+            self.rebind_(module)  # (z takes the module's values)
+        changed = []
+        for bucket, before in zip(self.buckets, seen):  # (buckets added since are made from z)
+            for name, start, end, _ in bucket.slices():
+                if not torch.equal(bucket.center[start:end], before[start:end]):
+                    bucket.replicas[:, start:end] = bucket.center[start:end]
+                    bucket.center_prev[start:end] = bucket.center[start:end]
+                    changed.append(name)
         return changed
 
     def _center_buffer(self, name: str) -> Optional[Tensor]:

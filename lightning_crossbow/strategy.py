@@ -531,7 +531,7 @@ class CrossbowStrategy(DDPStrategy):
         self._unfuse_for_replicas(optimizer)
         self._param_groups_seen = len(optimizer.param_groups)
         self._optimizer_seen = optimizer
-        self.stack.note_center_params(module)  # (noted again after a checkpoint's restore)
+        self.stack.note_center_params()  # (noted again after a checkpoint's restore)
         self._without_replicas = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
         self._fastest_engine.clear()  # (a new fit may train another model: its engines are measured afresh)
         self.engine = self._make_engine(self.replicas_per_device)
@@ -844,6 +844,7 @@ class CrossbowStrategy(DDPStrategy):
         if old is not None:
             vars(old).pop("zero_grad", None)  # (crossbow's, see _show_gradients_zeroed_with_the_replicas)
         self._optimizer_seen = optimizer
+        self._last_lrs = self._lrs_before_last = None  # (another optimizer's learning rates: no drop to compare)
         self._repoint_optimizer()
         self._unfused_groups = set()
         self._unfuse_for_replicas(optimizer)
@@ -1041,20 +1042,26 @@ class CrossbowStrategy(DDPStrategy):
             self._training_step_logged = module.trainer._logger_connector._current_fx == "training_step"
 
     @contextmanager
-    def _logging_as_training_step(self) -> Iterator["pl.LightningModule"]:
+    def _logging_as_training_step(self, step_metrics: bool = False) -> Iterator["pl.LightningModule"]:
         """The module, its ``self.log`` calls taken as ``training_step``'s (Lightning keys a logged value by the
         hook that logs it, and checks where it may be logged). Lightning resets a hook's values logged in the last
         epoch at its first ``self.log`` of an epoch's first batch that follows another hook's (in plain Lightning,
         where ``training_step`` logs once a batch, its first): where the replicas' logs were replayed in this batch
-        already, a hook's logs since (``on_before_optimizer_step``'s) do not make crossbow's metrics reset them."""
+        already, a hook's logs since (``on_before_optimizer_step``'s) do not make crossbow's metrics reset them; and
+        crossbow's metrics (``step_metrics``), logged where plain Lightning logs nothing, leave Lightning's record of
+        the last hook that logged as it was, so that they make no later hook's values reset either."""
         module = self.lightning_module
+        connector = module.trainer._logger_connector
         hook, module._current_fx_name = module._current_fx_name, "training_step"
+        last_logged = connector._current_fx
         if self._training_step_logged:
-            module.trainer._logger_connector._current_fx = "training_step"
+            connector._current_fx = "training_step"
         try:
             yield module
         finally:
             module._current_fx_name = hook
+            if step_metrics:
+                connector._current_fx = last_logged
 
     # ------------------------------------------------------------------------- changing k
     def set_replicas_per_device(self, replicas_per_device: int) -> None:
@@ -1210,7 +1217,7 @@ class CrossbowStrategy(DDPStrategy):
         if not self.lightning_module.trainer._logger_connector.should_update_logs:  # (log_every_n_steps)
             return
         once = {"on_step": True, "on_epoch": False, "batch_size": 1}
-        with self._logging_as_training_step() as module:
+        with self._logging_as_training_step(step_metrics=True) as module:
             metrics = {"crossbow/replicas_per_device": float(self.replicas_per_device)}
             if self.samples_per_second is not None:
                 metrics["crossbow/samples_per_sec"] = self.samples_per_second
@@ -1878,7 +1885,7 @@ class CrossbowStrategy(DDPStrategy):
         self._load_replicas_and_optimizer(checkpoint)
         self._unfuse_for_replicas(self.optimizers[0])  # (the checkpoint's param groups may ask for fused kernels)
         assert self.stack is not None
-        self.stack.note_center_params(self.lightning_module)  # (a hook's changes since, at on_train_start)
+        self.stack.note_center_params()  # (a hook's changes since, at on_train_start)
 
     def _load_replicas_and_optimizer(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.stack is not None

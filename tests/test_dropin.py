@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import gc
+import logging
 import math
 import multiprocessing
 import pickle
@@ -1213,6 +1214,31 @@ class _LogsWithBatchNorm(_LogsBeforeTheOptimizerStep):
         self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
 
 
+class _LogsAroundTheOptimizerStep(Classifier):
+    """Logs an epoch sum before and after the optimizer step in its own optimizer_step (training_step logs nothing)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        self.log("before", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.log("after", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+
+
+def test_crossbows_own_metrics_make_no_later_hooks_values_reset() -> None:
+    """crossbow logs its step metrics inside the optimizer step, where plain Lightning logs nothing: left as
+    Lightning's last hook that logged, they made optimizer_step's second log of an epoch's first batch reset that
+    hook's values (7 of 8 steps counted). Now as plain Lightning."""
+    sums = {}
+    for name, strategy in (("plain", "auto"), ("crossbow", CrossbowStrategy(replicas_per_device=1))):
+        fit = trainer(strategy=strategy, max_epochs=2, log_every_n_steps=1)
+        fit.fit(_LogsAroundTheOptimizerStep(), loader(make_data(num_samples=64)))
+        sums[name] = (float(fit.callback_metrics["before"]), float(fit.callback_metrics["after"]))
+    assert sums["crossbow"] == sums["plain"]
+
+
 def test_stochastic_weight_averagings_batchnorm_epoch_logs_what_training_step_logs() -> None:
     """StochasticWeightAveraging's extra epoch, which updates BatchNorm's statistics with forwards only (Lightning
     skips the backward, whose end replays the replicas' logs): its training_step logs reach the callbacks as in
@@ -1243,6 +1269,25 @@ class _SwitchesToSGD(L.Callback):
                 trainer.optimizers = [pl_module.configure_optimizers()]
 
 
+def test_switching_to_an_optimizer_of_a_smaller_learning_rate_is_not_a_drop_of_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """reset_on_lr_drop compares a step's learning rates with the last step's: across a switch of optimizers (SGD at
+    0.1, then Adam at 0.001) those are another optimizer's, and the replicas were reset as if the rate dropped."""
+
+    class ToAdam(L.Callback):
+        def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            if trainer.current_epoch == 1:
+                trainer.optimizers = [torch.optim.Adam(pl_module.parameters(), lr=1e-3)]
+
+    strategy = CrossbowStrategy(replicas_per_device=2, algorithm="easgd", reset_on_lr_drop=True)
+    with caplog.at_level(logging.INFO):
+        trainer(strategy=strategy, max_epochs=2, callbacks=[ToAdam()]).fit(
+            Classifier(optimizer="sgd", lr=0.1), loader(make_data(num_samples=64))
+        )
+    assert "learning rate dropped" not in caplog.text
+
+
 @pytest.mark.parametrize("how", ["setup_optimizers", "trainer.optimizers"])
 def test_an_optimizer_made_during_fit_steps_the_replicas(how: str) -> None:
     """Before, the new optimizer stepped the module's parameters, which no backward reaches: training stopped
@@ -1266,19 +1311,26 @@ def test_an_optimizer_made_during_fit_steps_the_replicas(how: str) -> None:
 
 
 class _InitializedIn(Classifier):
-    """Initialises its first layer's weights (xavier, gain 3) in ``hook``: ``__init__``, ``on_fit_start`` or
-    ``on_train_start``."""
+    """Initialises weights in ``hook`` (``__init__``, ``on_fit_start`` or ``on_train_start``), in one of three ways
+    (``how``): in place under no_grad (xavier, the first layer), through ``.data`` (the last layer, not the first
+    parameter of its flat buffer), or by a new tensor given to ``.data`` (the last layer's)."""
 
-    def __init__(self, hook: str) -> None:
+    def __init__(self, hook: str, how: str) -> None:
         super().__init__()
-        self.hook = hook
+        self.hook, self.how = hook, how
         if hook == "__init__":
             self._initialize()
 
     def _initialize(self) -> None:
         torch.manual_seed(7)
-        with torch.no_grad():
-            nn.init.xavier_uniform_(self.net[0].weight, gain=3.0)
+        weight = self.net[0].weight if self.how == "in place" else self.net[2].weight
+        if self.how == "in place":
+            with torch.no_grad():
+                nn.init.xavier_uniform_(weight, gain=3.0)
+        elif self.how == ".data":
+            weight.data.normal_()
+        else:
+            weight.data = torch.full_like(weight, 0.1)
 
     def on_fit_start(self) -> None:
         if self.hook == "on_fit_start":
@@ -1289,14 +1341,16 @@ class _InitializedIn(Classifier):
             self._initialize()
 
 
+@pytest.mark.parametrize("how", ["in place", ".data", "a new tensor"])
 @pytest.mark.parametrize("algorithm", ["sma", "easgd", "gossip"])
-def test_weights_set_in_on_fit_start_or_on_train_start_are_the_learners_start(algorithm: str) -> None:
+def test_weights_set_in_on_fit_start_or_on_train_start_are_the_learners_start(algorithm: str, how: str) -> None:
     """The replicas are made at set-up, before those hooks: under the rules that keep learners apart (whose
     learners do not restart from z every step) they started from the weights before the hook's, and gossip's z
-    (their mean) dropped the hook's change altogether. Now the fit is the one initialised in __init__, bitwise."""
+    (their mean) dropped the hook's change altogether; a new tensor given to a parameter's ``.data`` left it out of z
+    for good. Now the fit is the one initialised in __init__, bitwise."""
     weights = {}
     for hook in ("__init__", "on_fit_start", "on_train_start"):
-        model = _InitializedIn(hook)
+        model = _InitializedIn(hook, how)
         trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm=algorithm)).fit(
             model, loader(make_data(num_samples=64))
         )
@@ -1304,29 +1358,6 @@ def test_weights_set_in_on_fit_start_or_on_train_start_are_the_learners_start(al
     for hook in ("on_fit_start", "on_train_start"):
         for a, b in zip(weights["__init__"], weights[hook], strict=True):
             assert torch.equal(a, b)
-
-
-def test_lightning_sets_the_worker_init_function_on_the_users_loader_as_in_plain_lightning() -> None:
-    """seed_everything(workers=True): Lightning gives the training DataLoader its worker_init_fn (which mixes the
-    rank into each worker's seeds); before, it landed on crossbow's wrapper, and the workers drew other numbers."""
-    for strategy in ("auto", CrossbowStrategy(replicas_per_device=2)):
-        with seed_environment_kept():
-            L.seed_everything(0, workers=True, verbose=False)
-            data = loader(make_data(num_samples=32))
-            trainer(strategy=strategy, max_steps=1).fit(Classifier(), data)
-            assert data.worker_init_fn is not None, strategy
-
-
-def test_a_loader_with_persistent_workers_trains_again_after_a_fit() -> None:
-    """Lightning shuts the persistent workers down when fit ends and drops the loader's iterator: before, it dropped
-    the wrapper's, the DataLoader kept its dead one, and the next fit (or any iteration) raised "Queue is closed"."""
-    data = loader(make_data(num_samples=32), num_workers=1, persistent_workers=True)
-    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
-    fit.fit(Classifier(), data)
-    fit.fit_loop.max_epochs = 2
-    fit.fit(fit.lightning_module, data)
-    assert fit.global_step == 4
-    assert len(list(data)) == 4
 
 
 def test_resuming_with_another_algorithm_says_so(tmp_path: Path) -> None:

@@ -1221,6 +1221,7 @@ def test_the_smallest_fraction_a_refusal_names_takes_one_step() -> None:
     from lightning_crossbow.epoch_counts import smallest_fraction_taking
 
     assert smallest_fraction_taking(10, 81) == 0.1235 and int(81 * 0.1235) == 10
+    assert smallest_fraction_taking(7, 25) == 0.28  # (not 0.2801: 7/25 x 1e4 is 2800.0000000000005)
     assert all(int(length * smallest_fraction_taking(k, length)) >= k for length in range(1, 200) for k in (1, 3, 10))
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=10), limit_train_batches=0.1)
     with pytest.raises(ValueError, match=r"Use limit_train_batches >= 0.1235, or fewer replicas"):
