@@ -575,6 +575,11 @@ class CrossbowStrategy(DDPStrategy):
             "warmup_epochs": self.warmup_epochs,
             "engine": self.engine_name,
             "reset_on_lr_drop": self.reset_on_lr_drop,
+            "averaging_period": self.period.period,
+            # (the tuner's windows end with a collective: "auto" on one rank only waited for the others for good)
+            "tuned by ReplicaAutoTuner": any(
+                isinstance(c, ReplicaAutoTuner) for c in self.lightning_module.trainer.callbacks
+            ),
             "heterogeneous": None
             if self.balancer is None
             else (

@@ -251,6 +251,9 @@ def main() -> None:
     parser.add_argument("launcher", choices=["popen", "spawn"])
     parser.add_argument("k", type=int)
     parser.add_argument("--mismatch", action="store_true")
+    parser.add_argument(
+        "--mismatch-tuner-and-period", action="store_true", help="rank 0: k='auto', averaging_period=1; rank 1: k, 2"
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--resume")
     parser.add_argument("--save", help="save a checkpoint there after fit (with --change-k-at, at that step)")
@@ -310,8 +313,11 @@ def main() -> None:
         callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1))
     if args.tune:  # threshold 0: it climbs to max_replicas unless a step gets slower; each rank's clock differs
         callbacks.append(ReplicaAutoTuner("throughput", window=1, warmup=0, threshold=0.0, max_replicas=3))
-    k = args.k + (int(os.environ.get("LOCAL_RANK", 0)) if args.mismatch else 0)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    k: int | str = args.k + (rank if args.mismatch else 0)
     options = {"outer_lr": args.outer_lr} if args.outer_lr is not None else {}
+    if args.mismatch_tuner_and_period:
+        k, args.averaging_period = ("auto", 1) if rank == 0 else (args.k, 2)
     strategy = CrossbowStrategy(
         algorithm=args.algorithm,
         replicas_per_device=k,

@@ -257,3 +257,11 @@ def test_ranks_with_different_configurations_fail_with_a_clear_error(tmp_path: P
         "crossbow: the processes disagree on replicas_per_device (rank 0: replicas_per_device=2; rank 1:"
         " replicas_per_device=3). Every process must construct CrossbowStrategy with the same arguments."
     ) in result.stderr
+    # k tuned on one rank only, and averaging periods that differ: their collectives never met (both hung)
+    (tmp_path / "tuner").mkdir()
+    result = _run(tmp_path / "tuner", ANY_LAUNCHER, "1", "--mismatch-tuner-and-period")
+    assert result.returncode != 0
+    assert (
+        "disagree on averaging_period, tuned by ReplicaAutoTuner (rank 0: averaging_period=1, tuned by"
+        " ReplicaAutoTuner=True; rank 1: averaging_period=2, tuned by ReplicaAutoTuner=False)"
+    ) in result.stderr
