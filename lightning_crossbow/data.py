@@ -210,30 +210,32 @@ def group_fetching_loader(loader: object) -> Optional[DataLoader]:
     )
 
 
-_OWN_ATTRIBUTES = (
-    "loader",
-    "batch_limit",
-    "_unfilled_warned",
-    "_a_pass_ended",
-    "num_replicas",
-    "groups_yielded",
-    "batches_taken",
-    "last_group_batches",
-    "_returned",
-    "_fetcher",
-    "plan",
-    "routed_sampler",
-    "_saved_place",
-    "_resume_at",
-    "_restart_counted",
-    "_ends_when_counted",
-    "resumed_mid_pass",
-    "counts_on_resume",
-    "_drawn",
-    "_pass_length",
-    "_tail",
-    "current_group",
-    "_order_samples_taken",
+_OWN_ATTRIBUTES = frozenset(
+    (
+        "loader",
+        "batch_limit",
+        "_unfilled_warned",
+        "_a_pass_ended",
+        "num_replicas",
+        "groups_yielded",
+        "batches_taken",
+        "last_group_batches",
+        "_returned",
+        "_fetcher",
+        "plan",
+        "routed_sampler",
+        "_saved_place",
+        "_resume_at",
+        "_restart_counted",
+        "_ends_when_counted",
+        "resumed_mid_pass",
+        "counts_on_resume",
+        "_drawn",
+        "_pass_length",
+        "_tail",
+        "current_group",
+        "_order_samples_taken",
+    )
 )
 
 

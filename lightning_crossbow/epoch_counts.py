@@ -19,6 +19,7 @@ whole-epoch limits; a fraction of its common order is not supported (Lightning's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -127,15 +128,21 @@ class EpochCounts:
             return
         if not math.isfinite(fit_loop.max_batches) or not self._sized():
             return
+        steps = self._epoch_steps(trainer, self.loader.groups_of_next_pass)
+        if steps is not None:
+            fit_loop.max_batches = steps
+
+    def _epoch_steps(self, trainer: "pl.Trainer", groups: Callable[[Optional[int]], Optional[int]]) -> Optional[int]:
+        """An epoch's steps under ``limit_train_batches`` as Lightning applies it (a number of steps, or a fraction of
+        the loader's batches), from ``groups(batches)``: the groups within a pass's first ``batches`` (None: all of
+        them). None where ``groups`` gives none, or for a fraction of heterogeneous mode's common order (not
+        supported: Lightning's count stays)."""
+        assert self.loader is not None
         limit = self.train_limit(trainer)
         if isinstance(limit, float) and limit < 1.0:
-            if self._routed():  # (a fraction of the common order is not supported: Lightning's count stays)
-                return
-            groups = self.loader.groups_of_next_pass(self._epoch_batches(limit))
-        else:
-            groups = self.loader.groups_of_next_pass()
-        if groups is not None:
-            fit_loop.max_batches = min(limit, groups) if isinstance(limit, int) else groups
+            return None if self._routed() else groups(self._epoch_batches(limit))
+        steps = groups(None)
+        return None if steps is None else min(limit, steps) if isinstance(limit, int) else steps
 
     def start_batch(self, trainer: "pl.Trainer", batch_idx: int, in_a_step: bool, k: int) -> None:
         """At each batch Lightning hands the strategy (``in_a_step``: a group of crossbow's, not a batch of a
@@ -305,15 +312,12 @@ class EpochCounts:
         fit_loop = trainer.fit_loop
         if self.loader is None or not math.isfinite(fit_loop.max_batches) or not self._sized():
             return  # (a loader without a length: Lightning's count, an integer limit's, does not depend on k)
-        limit = self.train_limit(trainer)
-        if isinstance(limit, int):
-            epoch_length = min(limit, self.loader.groups_in_pass())
-        elif limit == 1.0:
-            epoch_length = self.loader.groups_in_pass()
-        elif not self._routed():
-            epoch_length = self.loader.groups_in(self._epoch_batches(limit))
-        else:
-            return  # (heterogeneous mode: a fraction of the common order is not supported; Lightning's count stays)
+        loader = self.loader
+        epoch_length = self._epoch_steps(
+            trainer, lambda batches: loader.groups_in_pass() if batches is None else loader.groups_in(batches)
+        )
+        if epoch_length is None:
+            return
         interval = trainer.val_check_interval
         if (
             isinstance(interval, float)

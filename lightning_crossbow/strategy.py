@@ -526,11 +526,7 @@ class CrossbowStrategy(DDPStrategy):
         if self.engine_name == "streams" and self._stream_pool() is None:
             raise ValueError(STREAMS_NEED_CUDA.format(device=self.root_device))
         self.stack = ReplicaStack(module, self.replicas_per_device)
-        self._repoint_optimizer()
-        self._unfused_groups = set()
-        self._unfuse_for_replicas(optimizer)
-        self._param_groups_seen = len(optimizer.param_groups)
-        self._optimizer_seen = optimizer
+        self._point_at_the_replicas(optimizer)
         self.stack.note_center_params()  # (noted again after a checkpoint's restore)
         self._without_replicas = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
         self._fastest_engine.clear()  # (a new fit may train another model: its engines are measured afresh)
@@ -848,14 +844,19 @@ class CrossbowStrategy(DDPStrategy):
         check_elementwise(optimizer, self.elementwise_optimizers)
         if old is not None:
             vars(old).pop("zero_grad", None)  # (crossbow's, see _show_gradients_zeroed_with_the_replicas)
-        self._optimizer_seen = optimizer
         self._last_lrs = self._lrs_before_last = None  # (another optimizer's learning rates: no drop to compare)
+        self._point_at_the_replicas(optimizer)
+        if self._reads_gradients:
+            self._show_gradients_zeroed_with_the_replicas(optimizer)
+
+    def _point_at_the_replicas(self, optimizer: Optimizer) -> None:
+        """``optimizer`` (the one of ``self.optimizers``) steps the stacked replicas: its params re-pointed, its fused
+        kernels turned off where they would step them wrongly; it is the optimizer seen, with its param groups."""
+        self._optimizer_seen = optimizer
         self._repoint_optimizer()
         self._unfused_groups = set()
         self._unfuse_for_replicas(optimizer)
         self._param_groups_seen = len(optimizer.param_groups)
-        if self._reads_gradients:
-            self._show_gradients_zeroed_with_the_replicas(optimizer)
 
     def _give_replicas_to(self, buckets: list[list[str]]) -> None:
         """Parameters that had no replicas (frozen when training started) get them, each replica a copy of z, the
