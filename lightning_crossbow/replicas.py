@@ -378,24 +378,37 @@ class ReplicaStack:
 
     @torch.no_grad()
     def sync_center_buffers_(self, all_reduce_mean: Optional[BufferReducer] = None) -> None:
-        """z's buffers <- the mean over all replicas (floating point: one mean over the replicas of every buffer of a
-        dtype flattened together, and across processes one ``all_reduce_mean`` of it); integer buffers take
-        replica 0's. A buffer of z that changed since it was last written (:meth:`take_center_buffer_changes_`) is
-        first taken by every replica: its mean is then that value."""
+        """z's buffers <- the mean over all replicas: one mean over the replicas of every buffer of a dtype flattened
+        together, and across processes one ``all_reduce_mean`` of it. Integer and boolean buffers (BatchNorm's
+        ``num_batches_tracked``) are averaged in float64 and rounded to the nearest integer (half to even), so that
+        every process's z holds the same count; other buffers (complex) take replica 0's. A buffer of z that
+        changed since it was last written (:meth:`take_center_buffer_changes_`) is first taken by every replica: its
+        mean is then that value."""
         self.take_center_buffer_changes_()
-        floating: dict[torch.dtype, list[str]] = {}
-        integers: list[str] = []
+        averaged: dict[torch.dtype, list[str]] = {}
+        others: list[str] = []
         for name, stack in self.buffers.items():
-            (floating.setdefault(stack.dtype, []) if stack.is_floating_point() else integers).append(name)
-        if integers:
-            torch._foreach_copy_([self._center_buffer(n) for n in integers], [self.buffers[n][0] for n in integers])
-        for names in floating.values():
-            means = torch.cat([rows_of(self.buffers[name]) for name in names], dim=1).mean(0)
+            if stack.is_floating_point():
+                averaged.setdefault(stack.dtype, []).append(name)
+            elif not stack.is_complex():
+                averaged.setdefault(torch.float64, []).append(name)
+            else:
+                others.append(name)
+        if others:
+            torch._foreach_copy_([self._center_buffer(n) for n in others], [self.buffers[n][0] for n in others])
+        for dtype, names in averaged.items():
+            means = torch.cat([rows_of(self.buffers[name]).to(dtype) for name in names], dim=1).mean(0)
             if all_reduce_mean is not None:
                 means = all_reduce_mean(means)
             targets = [self._center_buffer(name) for name in names]
             parts = means.split([target.numel() for target in targets])
-            torch._foreach_copy_(targets, [part.view_as(target) for part, target in zip(parts, targets, strict=True)])
+            torch._foreach_copy_(
+                targets,
+                [
+                    (part if target.is_floating_point() else part.round()).view_as(target)
+                    for part, target in zip(parts, targets, strict=True)
+                ],
+            )
         self.note_center_buffers()
 
     @torch.no_grad()

@@ -1680,7 +1680,7 @@ class CrossbowStrategy(DDPStrategy):
         """After every averaging (every optimizer step with ``averaging_period=1``), what callbacks, hooks and the
         module itself read is z, as the averaging left it: z's buffers (the replicas' mean) and, for gossip, z's
         parameters (the learners' mean). On one process always (no collective needed). Across processes: z's buffers
-        at every averaging, in one all-reduce per dtype, where the model has floating-point buffers, as DDP
+        at every averaging, in one all-reduce per floating dtype (integer buffers ride as float64), as DDP
         broadcasts its buffers at every step; gossip, which has no all-reduce of its own, forms z and its buffers at
         every epoch's end and the last step (and when read)."""
         assert self.stack is not None

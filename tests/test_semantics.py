@@ -911,6 +911,34 @@ def test_the_rows_a_backward_reaches_are_noted_per_stack_and_follow_a_change_of_
     assert stack.rows_reached.unreached() == {}
 
 
+def test_integer_buffers_of_z_are_the_rounded_mean_over_every_replica_of_every_process() -> None:
+    """Two processes' stacks of a BatchNorm, emulated: each one's ``all_reduce_mean`` averages its replicas' mean with
+    the other's. Both z's get the same running statistics, their mean over all six replicas, and the same
+    ``num_batches_tracked``, the six counts' mean rounded (replica 0's alone differed: 9 on one process, 10 on the
+    other)."""
+    counts = {"a": [9, 10, 10], "b": [10, 10, 11]}
+    stacks, modules, rows = {}, {}, {}
+    for rank, rank_counts in counts.items():
+        modules[rank] = nn.BatchNorm1d(2)
+        stacks[rank] = ReplicaStack(modules[rank], 3)
+        stacks[rank].buffers["num_batches_tracked"].copy_(torch.tensor(rank_counts))
+        rows[rank] = torch.randn(3, 2)
+        stacks[rank].buffers["running_mean"].copy_(rows[rank])
+    own_means: dict[str, list[Tensor]] = {"a": [], "b": []}
+    for rank in counts:  # (what each process contributes to each all-reduce: its own means, in order)
+        stacks[rank].sync_center_buffers_(lambda t, rank=rank: own_means[rank].append(t.clone()) or t)
+    for rank, other in (("a", "b"), ("b", "a")):
+        calls = iter(own_means[other])
+        stacks[rank].sync_center_buffers_(lambda t, calls=calls: (t + next(calls)) / 2)
+    every_count = [c for rank_counts in counts.values() for c in rank_counts]
+    expected_count = round(sum(every_count) / len(every_count))  # 60 / 6 = 10
+    for rank in counts:
+        assert modules[rank].num_batches_tracked.dtype == torch.long
+        assert int(modules[rank].num_batches_tracked) == expected_count
+        torch.testing.assert_close(modules[rank].running_mean, torch.cat([rows["a"], rows["b"]]).mean(0))
+    assert int(modules["a"].num_batches_tracked) == int(modules["b"].num_batches_tracked)
+
+
 class _AutocastProbe(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.autocast_seen = torch.is_autocast_enabled("cpu")
