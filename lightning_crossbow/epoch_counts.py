@@ -341,7 +341,8 @@ class EpochCounts:
 class ShowEpochCounts(Callback):
     """Shows the other callbacks each epoch's count of steps as :class:`EpochCounts` keeps it: counts an epoch at its
     start, before they read it (:meth:`EpochCounts.count_the_epoch_to_come`), and gives Lightning's progress bar the
-    new total where k (or the layout) changes within an epoch (it reads the total only as the epoch starts). The
+    new total where k (or the layout) changes within an epoch (it reads the total only as the epoch starts). Across
+    processes it also has the strategy check, as the epoch starts, that every process counts the same steps. The
     strategy puts it first among the trainer's callbacks."""
 
     def __init__(self) -> None:
@@ -352,6 +353,7 @@ class ShowEpochCounts(Callback):
         counts = getattr(trainer.strategy, "_epoch", None)
         if isinstance(counts, EpochCounts):
             counts.count_the_epoch_to_come(trainer)
+            trainer.strategy.check_epoch_steps_agree(trainer)  # type: ignore[attr-defined]
         self._shown = trainer.num_training_batches
 
     @override

@@ -1588,6 +1588,25 @@ class CrossbowStrategy(DDPStrategy):
         torch.distributed.all_gather_object(gathered, local)
         return gathered
 
+    def check_epoch_steps_agree(self, trainer: "pl.Trainer") -> None:
+        """Across processes, as each training epoch starts: every process must take the epoch's steps, each of which
+        ends in collectives that all of them join. Per-rank loaders of different lengths
+        (``use_distributed_sampler=False``) would leave the longer epochs' processes waiting, at the shorter one's
+        end, for the process group's timeout; the counts are gathered (one collective an epoch) and a mismatch raises
+        on every process. Not in heterogeneous mode, whose routed loaders take their steps from one common order."""
+        if self.world_size == 1 or self.routing is not None:
+            return
+        steps = trainer.num_training_batches
+        counts = self._gather_objects(steps)
+        if any(count != steps for count in counts):
+            per_rank = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+            raise RuntimeError(
+                f"crossbow: the processes' training epochs have different numbers of steps ({per_rank}; k="
+                f"{self.replicas_per_device} batches a step). Every process takes every step, so every process's"
+                " training DataLoader must give the same number of batches: let Lightning shard one dataset"
+                " (use_distributed_sampler=True, the default), or give each process a loader of the same length."
+            )
+
     def _gather_to_rank_zero(self, local: Any) -> Optional[list[Any]]:
         """Every process's ``local`` (picklable), in rank order, on rank 0; None elsewhere. A collective."""
         if self.world_size == 1:

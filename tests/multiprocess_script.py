@@ -32,10 +32,15 @@ WORLD_SIZE = 2
 class Sharded(L.LightningDataModule):
     """Rank r trains on samples r, r+2, r+4, ... in order (the user's own per-rank loader)."""
 
+    def __init__(self, shorter_on_rank_1: int = 0) -> None:
+        super().__init__()
+        self.shorter_on_rank_1 = shorter_on_rank_1
+
     def train_dataloader(self) -> DataLoader:
         rank = self.trainer.global_rank
         dataset = make_data(num_samples=96)
-        return DataLoader(Subset(dataset, range(rank, len(dataset), WORLD_SIZE)), batch_size=8)
+        shard = range(rank, len(dataset) - (self.shorter_on_rank_1 * WORLD_SIZE if rank == 1 else 0), WORLD_SIZE)
+        return DataLoader(Subset(dataset, shard), batch_size=8)
 
 
 class Unsharded(L.LightningDataModule):
@@ -271,7 +276,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--outer-lr", type=float)
     parser.add_argument("--second-fit", action="store_true", help="fit once more, one epoch, with the same strategy")
-    parser.add_argument("--uneven-datasets", action="store_true", help="rank 1's dataset is one batch shorter")
+    parser.add_argument("--uneven-datasets", action="store_true", help="rank 1's data: a batch shorter (shard: 2)")
     parser.add_argument("--uneven-batch-sizes", action="store_true", help="rank 1's DataLoader has batch_size=4")
     parser.add_argument("--drop-last", action="store_true", help="the training DataLoader's drop_last")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
@@ -350,7 +355,7 @@ def main() -> None:
             drop_last=args.drop_last,
         )
         if args.distributed_sampler or balancer is not None
-        else Sharded()
+        else Sharded(shorter_on_rank_1=16 if args.uneven_datasets else 0)
     )
     if args.skip_at_step is not None:
         model: Classifier = SkipsAtStep(args.skip_at_step, optimizer=args.optimizer)

@@ -250,6 +250,18 @@ def test_a_step_that_every_replica_of_every_rank_skips_changes_nothing(tmp_path:
     assert [torch.load(tmp_path / f"rank{rank}_skipped_step_unchanged.pt") for rank in range(2)] == [True, True]
 
 
+def test_per_rank_loaders_of_different_lengths_fail_as_the_first_epoch_starts(tmp_path: Path) -> None:
+    """Each rank's own shard (``use_distributed_sampler=False``), rank 1's two batches shorter: 3 steps at k=2
+    against 2. Both ranks raise as the epoch starts, where rank 0 waited at rank 1's epoch end for the timeout."""
+    result = _run(tmp_path, ANY_LAUNCHER, "2", "--uneven-datasets")
+    assert result.returncode != 0
+    assert (
+        "crossbow: the processes' training epochs have different numbers of steps (rank 0: 3, rank 1: 2; k=2"
+        " batches a step)"
+    ) in result.stderr
+    assert not list(tmp_path.glob("rank*.pt"))  # no rank finished training
+
+
 def test_ranks_with_different_configurations_fail_with_a_clear_error(tmp_path: Path) -> None:
     result = _run(tmp_path, ANY_LAUNCHER, "2", "--mismatch")
     assert result.returncode != 0
