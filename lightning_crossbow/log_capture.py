@@ -41,6 +41,7 @@ class _Logged:
     stacked: list[Tensor] = field(default_factory=list)
     step_values: list[Any] = field(default_factory=list)  # a Metric's, one per replica
     batches: list[Any] = field(default_factory=list)  # the batch of each per_replica value (None: not known)
+    given_sizes: list[Any] = field(default_factory=list)  # the batch_size= each per_replica value was logged with
 
 
 class LogCapture:
@@ -76,6 +77,7 @@ class LogCapture:
             logged.per_replica.append(call.value)
             logged.step_values.append(call.step_value)
             logged.batches.append(batch)
+            logged.given_sizes.append(call.kwargs.get("batch_size"))
 
     def add_stacked(self, calls: list[LogCall], stacked_values: list[Tensor], num_replicas: int) -> None:
         """Adds the calls of a fused step of ``num_replicas`` replicas: tensor values come stacked, shape
@@ -88,6 +90,7 @@ class LogCapture:
             else:
                 logged.per_replica.extend([call.value] * num_replicas)
                 logged.batches.extend([None] * num_replicas)
+                logged.given_sizes.extend([call.kwargs.get("batch_size")] * num_replicas)
 
     def clear(self) -> None:
         """Drops what was captured (the logs of an attempt that failed: a fused step, an out-of-memory step)."""
@@ -98,8 +101,10 @@ class LogCapture:
         the epoch (``on_epoch=True``; ``training_step``'s default is on step only) weighs in Lightning's epoch mean
         by the batches that logged it, as in plain Lightning: its ``batch_size`` (the one given, else one
         replica's, from ``batch_size()``) times the number of replica values it averages (fewer than k where
-        replicas skipped the step before logging). Always an integer, so that every process's running count keeps
-        one dtype for ``sync_dist``."""
+        replicas skipped the step before logging); where the replicas' sizes differ (a short batch in the group, or a
+        ``batch_size=`` given per replica, a count of tokens say), the mean weighs each replica's value by its own
+        size and the step by their sum. Always an integer, so that every process's running count keeps one dtype
+        for ``sync_dist``."""
         one_batch: Optional[int] = None
         sizes_of: dict[int, int] = {}  # (each batch's size, inferred once)
         for name, logged in self._logged.items():
@@ -109,7 +114,11 @@ class LogCapture:
                 and not isinstance(value, Metric)
                 and over_replicas(kwargs.get("reduce_fx", "mean")) is _MEAN
             ):
-                sizes = _uneven_batch_sizes(logged, sizes_of) if kwargs.get("batch_size") is None else None
+                sizes = (
+                    _uneven_batch_sizes(logged, sizes_of)
+                    if kwargs.get("batch_size") is None
+                    else _uneven_given_sizes(logged)
+                )
                 if sizes is not None:  # (a group of batches of several sizes: each value weighs by its own)
                     value, weight = _weighted_mean(logged.per_replica, sizes), sum(sizes)
                 else:
@@ -169,6 +178,15 @@ def _uneven_batch_sizes(logged: _Logged, sizes_of: dict[int, int]) -> Optional[l
         if id(batch) not in sizes_of:
             sizes_of[id(batch)] = extract_batch_size(batch)
         sizes.append(sizes_of[id(batch)])
+    return sizes if len(set(sizes)) > 1 else None
+
+
+def _uneven_given_sizes(logged: _Logged) -> Optional[list[int]]:
+    """The ``batch_size=`` each replica value of ``logged`` was logged with, when they are not all one; None when
+    they are (or some value came stacked, from one fused call: one size for all its replicas)."""
+    if logged.stacked or not logged.per_replica or any(size is None for size in logged.given_sizes):
+        return None
+    sizes = [int(size) for size in logged.given_sizes]
     return sizes if len(set(sizes)) > 1 else None
 
 

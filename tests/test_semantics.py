@@ -562,6 +562,50 @@ def test_an_epoch_mean_weighs_each_batch_of_a_group_by_its_size_as_plain_lightni
     assert means["crossbow"] == pytest.approx(means["plain"], rel=1e-6)
 
 
+class _LogsWithBatchSize(Classifier):
+    """Logs each batch's mean input with a ``batch_size=`` of its own: the batch's length, or a count that differs
+    from batch to batch (tokens that count, say: here the rows whose first feature is positive, plus one)."""
+
+    def __init__(self, size: str) -> None:
+        super().__init__()
+        self.size = size
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.log("x_mean", x.mean(), on_step=False, on_epoch=True, batch_size=_logged_size(x, self.size))
+        return nn.functional.cross_entropy(self(x), y)
+
+
+def _logged_size(x: Tensor, size: str) -> int:
+    return len(x) if size == "length" else int((x[:, 0] > 0).sum()) + 1
+
+
+@pytest.mark.parametrize(
+    ("size", "engine"), [("length", "fused"), ("length", "sequential"), ("count", "sequential"), ("count", "auto")]
+)
+def test_an_epoch_mean_weighs_each_replica_by_the_batch_size_it_logs_with(size: str, engine: str) -> None:
+    """``self.log(..., batch_size=n)`` with the n of each replica's own batch: a short last batch (60 samples in
+    batches of 8, the last of 4, in the last group of k=4), or a count that differs from batch to batch. Plain
+    Lightning's epoch mean is ``sum_i n_i m_i / sum_i n_i`` over the batches; crossbow's weighed every replica of a
+    step by the first one's n."""
+    dataset = make_data(num_samples=60)
+    batches = [batch for batch, _ in loader(dataset)]
+    weights = torch.tensor([float(_logged_size(batch, size)) for batch in batches])
+    expected = float((torch.stack([batch.mean() for batch in batches]) * weights).sum() / weights.sum())
+    means = {}
+    for name, strategy in (
+        ("plain", "auto"),
+        ("crossbow", CrossbowStrategy(replicas_per_device=4, engine=engine)),
+    ):
+        fit = trainer(strategy=strategy, max_epochs=1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "crossbow: the training_step cannot run fused")  # (int() under vmap)
+            fit.fit(_LogsWithBatchSize(size), loader(dataset))
+        means[name] = float(fit.callback_metrics["x_mean"])
+    assert means["plain"] == pytest.approx(expected, rel=1e-5)
+    assert means["crossbow"] == pytest.approx(means["plain"], rel=1e-6)
+
+
 def test_a_replayed_mean_weighs_by_the_replica_values_it_averages_with_an_integer_batch_size() -> None:
     """Every process's running count of a mean keeps Lightning's integer dtype (a float on one process alone would
     break ``sync_dist``'s all-reduce of it), whether all k replicas logged or fewer."""
