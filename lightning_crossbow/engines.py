@@ -24,6 +24,7 @@ replica the gradient of its own loss, in the stack's ``.grad``.
 from __future__ import annotations
 
 import copy
+import random
 import re
 import statistics
 import time
@@ -34,6 +35,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Optional
 
+import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -506,7 +508,7 @@ class FusedOrSequentialEngine(Engine):
         if self.active is self.sequential:
             return self.sequential.run(stack, batches, args, capture)
         self._buffers.take(stack)
-        saved_metrics = {metric: dict(vars(metric)) for metric in self.fused.metrics}
+        saved_metrics = {metric: metric_state(metric) for metric in self.fused.metrics}
         random_state = RandomState(_device_of(stack))
 
         def undo(stack: ReplicaStack) -> None:
@@ -591,20 +593,38 @@ def keep_replaced_buffers(stack: ReplicaStack, replaced: Mapping[str, Any]) -> N
         stack.buffers[name] = rows.detach().to(old.dtype).reshape(old.shape).clone()
 
 
+def metric_state(metric: nn.Module) -> dict[str, Any]:
+    """A torchmetrics ``Metric``'s attributes as they are, its states (``add_state``'s, named in ``_defaults``) by
+    value: an update under ``vmap`` may change a state tensor in place (``SumMetric``'s sum), which a copy of the
+    attributes alone would then hold changed. A list state is copied (its tensors are appended, not changed)."""
+    saved = dict(vars(metric))
+    for name in getattr(metric, "_defaults", {}):
+        value = saved.get(name)
+        if isinstance(value, Tensor):
+            saved[name] = value.clone()
+        elif isinstance(value, list):
+            saved[name] = list(value)
+    return saved
+
+
 class RandomState:
-    """The default random number generators' state, taken when made: the CPU's, and ``device``'s when it is a CUDA
-    device (where ``vmap`` and the layers draw)."""
+    """The random number generators' state, taken when made: torch's on the CPU, and on ``device`` when it is a CUDA
+    device (where ``vmap`` and the layers draw), Python's (``random``) and NumPy's global ones (a mixup's draw)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.python = random.getstate()
+        self.numpy = np.random.get_state()
 
     def restore(self) -> None:
         """Puts the generators back where they were."""
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
 
 
 class FastestEngine(Engine):

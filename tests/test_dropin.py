@@ -9,6 +9,7 @@ import logging
 import math
 import multiprocessing
 import pickle
+import random
 import sys
 import warnings
 from collections import deque
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -468,14 +470,34 @@ class _DropoutItemAtThirdStep(_ItemAtThirdStep):
         self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3))
 
 
-@pytest.mark.parametrize("model", [_ItemAtThirdStep, _DropoutItemAtThirdStep], ids=["plain", "dropout"])
-def test_auto_falls_back_to_sequential_when_fusing_fails_at_a_later_step(model: type[Classifier]) -> None:
-    """From the failed step on, auto runs what engine="sequential" runs: the failed attempt's dropout draws are
-    given back, so the sequential run of that step draws the same numbers (fused and sequential draw alike)."""
+class _MixupItemAtFirstStep(Classifier):
+    """Mixes each batch with itself reversed, by a coefficient that Python's and NumPy's generators draw, then runs
+    code vmap cannot run, from the first step on (under the fused engine those generators draw once a step, under the
+    sequential engine once a replica: from the first step on, auto's steps are the sequential engine's)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        mix = float(np.random.beta(0.4, 0.4)) * random.random()
+        loss = super().training_step((mix * x + (1 - mix) * x.flip(0), y), batch_idx)
+        self.seen_loss = loss.item()
+        return loss
+
+
+@pytest.mark.parametrize(
+    "model",
+    [_ItemAtThirdStep, _DropoutItemAtThirdStep, _MixupItemAtFirstStep],
+    ids=["plain", "dropout", "python and numpy draws"],
+)
+def test_auto_falls_back_to_sequential_when_fusing_fails_at_the_first_or_a_later_step(model: type[Classifier]) -> None:
+    """From the failed step on, auto runs what engine="sequential" runs: the failed attempt's draws (torch's dropout,
+    Python's and NumPy's) are given back, so the sequential run of that step draws the same numbers (fused and
+    sequential draw alike)."""
     dataset = make_data(num_samples=128)
     runs = {}
     for engine in ("auto", "sequential"):
         torch.manual_seed(3)
+        random.seed(3)
+        np.random.seed(3)
         runs[engine] = model()
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")

@@ -690,6 +690,36 @@ def test_torchmetrics_in_training_step_falls_back_to_sequential_once_and_counts_
         )
 
 
+class _CountsThenFallsBack(Classifier):
+    """Counts its samples with a SumMetric whose update runs under vmap (a number, not the batch, changing the state
+    in place), then updates one whose state cannot be batched: engine="auto" falls back at the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples = torchmetrics.SumMetric()
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.samples.update(torch.tensor(float(len(y))))
+        self.accuracy.update(self(x), y)
+        self.log("samples", self.samples, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_metric_state_changed_in_place_by_the_failed_fused_attempt_is_given_back() -> None:
+    """The fallback gives back the state of the metrics as it was: 64 samples counted once each, as
+    engine="sequential" counts them (the fused attempt's in-place 8 was kept: 72)."""
+    counted = {}
+    for engine in ("auto", "sequential"):
+        fit = trainer(strategy=CrossbowStrategy(replicas_per_device=4, engine=engine), max_epochs=1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "crossbow: the training_step cannot run fused")
+            fit.fit(_CountsThenFallsBack(), loader(make_data(num_samples=64)))
+        counted[engine] = float(fit.callback_metrics["samples"])
+    assert counted == {"auto": 64.0, "sequential": 64.0}
+
+
 class _StepMetric(Classifier):
     """Logs a MeanMetric's forward (this batch's mean input) on step and its epoch value; keeps each batch's mean."""
 
