@@ -234,6 +234,16 @@ class ReplicaStack:
             for name, start, end, shape in bucket.slices():
                 module.get_parameter(name).data = bucket.center[start:end].view(shape)
 
+    @torch.no_grad()
+    def release_center(self) -> None:
+        """Gives every module parameter that is still a view of a central buffer a storage of its own, holding its
+        value (after fit: a parameter saved or kept alone then holds itself, not its whole bucket)."""
+        for bucket, params in zip(self.buckets, self._module_params, strict=True):
+            center = bucket.center.untyped_storage().data_ptr()
+            for param in params:
+                if param.untyped_storage().data_ptr() == center:
+                    param.data = param.data.clone()
+
     def is_bound(self, every_parameter: bool = False) -> bool:
         """Whether the module's parameters still live in the central buffers (``.to()`` breaks this). ``.to()`` and
         ``_apply`` replace every parameter's data at once, so one parameter per bucket tells; ``every_parameter``

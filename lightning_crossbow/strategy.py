@@ -2099,6 +2099,7 @@ class CrossbowStrategy(DDPStrategy):
         self._sigterm_vote.uninstall()
         if self.stack is not None:  # (a checkpoint saved after fit reads the optimizer, still over them)
             self._leaves_after_fit = list(self.stack.params.values())
+            self.stack.release_center()  # (z's parameters, views of flat buffers, each its own tensor again)
         self.stack = None
         self.engine = self._sequential_forwards = None
         self._step_losses = self._step_skipped = None

@@ -989,6 +989,22 @@ def test_the_central_optimizer_state_is_the_mean_over_every_processs_replicas() 
     assert merged["state"][2] is frozen
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_after_fit_each_parameter_holds_its_own_storage(tmp_path: Path, k: int) -> None:
+    """A layer saved alone after fit writes its own bytes, as in plain Lightning: z's parameters, views of one flat
+    buffer during fit, are each their own tensor again (``torch.save`` of a view writes its whole storage), with
+    the values fit left."""
+    model = Classifier()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=k), max_epochs=1).fit(model, loader(make_data()))
+    for name, param in model.named_parameters():
+        assert param.untyped_storage().nbytes() == param.numel() * param.element_size(), name
+    head = dict(model.net[2].state_dict())
+    torch.save(head, tmp_path / "head.pt")
+    torch.save({key: value.clone() for key, value in head.items()}, tmp_path / "copy.pt")
+    assert (tmp_path / "head.pt").stat().st_size == (tmp_path / "copy.pt").stat().st_size
+    assert all(torch.equal(a, b) for a, b in zip(head.values(), torch.load(tmp_path / "head.pt").values()))
+
+
 def test_a_weights_only_checkpoint_holds_no_crossbow_state(tmp_path: Path) -> None:
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
     fit.fit(Classifier(), loader(make_data(num_samples=32)))
