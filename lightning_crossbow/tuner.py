@@ -128,6 +128,9 @@ class ReplicaAutoTuner(Callback):
             ``<trainer.log_dir>/replica_tuning.png``, or ``False``. An existing file is never overwritten: the
             plot goes to the first free ``<name>-v1``, ``<name>-v2``, ... beside it (as ``ModelCheckpoint``
             names its files), and the summary says where.
+
+    Under ``Trainer(fast_dev_run=...)`` it does nothing, as Lightning's own tuner, checkpoints and loggers do in a
+    dry run: k stays where training starts, and no plot or summary is written.
     """
 
     def __init__(
@@ -229,6 +232,8 @@ class ReplicaAutoTuner(Callback):
         measured at another k than that starts again (a window restored from a checkpoint counts on at its k; one
         left by this callback's earlier fit starts again: no window is measured across two fits). Where memory or
         the epoch's length keep k below ``min_replicas``, a warning says so."""
+        if trainer.fast_dev_run:
+            return
         strategy = trainer.strategy
         self._last_step_end = None  # the interval up to the first step holds the fit's set-up
         self._after_averaging = True  # whether the last step ended with an averaging (a fit starts after none)
@@ -263,6 +268,8 @@ class ReplicaAutoTuner(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if trainer.fast_dev_run:
+            return
         if self.chosen is not None:
             self._hold_or_explore_again()
             return
@@ -370,6 +377,8 @@ class ReplicaAutoTuner(Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if trainer.fast_dev_run:
+            return
         if len(self.history) == self._windows_before_fit:
             if self.chosen is None and trainer.global_step > self._step_at_fit_start:
                 rank_zero_warn(

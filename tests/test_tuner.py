@@ -881,3 +881,25 @@ def test_the_tuner_keeps_an_integer_val_check_intervals_steps_in_every_epoch() -
     )  # fmt: skip
     fit.fit(Classifier(), loader(make_data(num_samples=160)), loader(make_data(num_samples=16)))
     assert fit.strategy.replicas_keeping_validation() is None and fit.strategy.replicas_per_device == 5
+
+
+def test_a_fast_dev_run_leaves_k_and_writes_no_plot(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's dry run turns its tuner, checkpoints and loggers off; so does the replica tuner: k stays where
+    training starts and no plot is written (40 steps whose clock makes more replicas pay off raise k otherwise)."""
+    monkeypatch.chdir(tmp_path)
+    ks = {}
+    for dry in (False, True):
+        clock = FakeClock()
+        tuner = ReplicaAutoTuner(window=4, warmup=1, threshold=0.1, clock=clock)
+        strategy = CrossbowStrategy(replicas_per_device=1)
+        fit = trainer(
+            strategy=strategy,
+            callbacks=[clock, tuner],
+            max_epochs=-1,
+            default_root_dir=tmp_path / str(dry),
+            **({"fast_dev_run": 40} if dry else {"max_steps": 40}),
+        )
+        fit.fit(Classifier(), loader(make_data(num_samples=800)))
+        ks[dry] = (strategy.replicas_per_device, len(tuner.history), sorted(p.name for p in tmp_path.rglob("*.png")))
+    assert ks[False][0] > 1 and ks[False][1] > 0 and ks[False][2] == ["replica_tuning.png"]
+    assert ks[True] == (1, 0, ["replica_tuning.png"])  # (the first run's plot alone)
