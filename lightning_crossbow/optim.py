@@ -200,6 +200,68 @@ def take_central_settings_(optimizer: Optimizer, central: Mapping[str, Any]) -> 
         optimizer.state.clear()
 
 
+def checkpoint_marks(checkpoint: Mapping[str, Any]) -> dict[tuple[Any, ...], Any]:
+    """What each entry of a checkpoint as loaded holds, in its ``state_dict`` and its first optimizer's ``state``: a
+    tensor and its version counter (an edit in place bumps it; a new tensor is another object), any other value
+    itself; and which parameters had optimizer state. :func:`edited` compares an entry with its mark once the hooks
+    that may edit the checkpoint (``on_load_checkpoint``) have run; nothing is compared value by value."""
+    marks: dict[tuple[Any, ...], Any] = {
+        ("state_dict", name): _mark(value) for name, value in (checkpoint.get("state_dict") or {}).items()
+    }
+    optimizer_states = checkpoint.get("optimizer_states") or []
+    for index, entries in (optimizer_states[0].get("state", {}) if optimizer_states else {}).items():
+        marks[("optimizer", index)] = True
+        marks.update({("optimizer", index, key): _mark(value) for key, value in entries.items()})
+    return marks
+
+
+def _mark(value: Any) -> tuple[Any, Optional[int]]:
+    return (value, value._version) if isinstance(value, Tensor) else (value, None)
+
+
+def edited(mark: Optional[tuple[Any, Optional[int]]], value: Any) -> bool:
+    """Whether ``value`` differs from what its :func:`checkpoint_marks` mark noted (no mark: a new entry)."""
+    if mark is None:
+        return True
+    if isinstance(value, Tensor):
+        return value is not mark[0] or value._version != mark[1]
+    return isinstance(mark[0], Tensor) or value != mark[0]
+
+
+@torch.no_grad()
+def take_edited_state_(
+    optimizer: Optimizer,
+    central_state: Mapping[int, Mapping[str, Any]],
+    marks: Mapping[tuple[Any, ...], Any],
+    stacked: Collection[Tensor],
+) -> None:
+    """``optimizer``, loaded from the replicas' own copy of its state, takes each entry of the checkpoint's central
+    state (``optimizer_states``) edited since it was loaded (:func:`checkpoint_marks`): a stacked parameter's every
+    row the edited value (a momentum buffer zeroed in ``on_load_checkpoint``), another's the value; an entry, or a
+    parameter's whole state, removed is removed. Unedited, it changes nothing."""
+    stacked_ids = {id(leaf) for leaf in stacked}
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, param in enumerate(params):
+        saved = central_state.get(index)
+        if saved is None:
+            if marks.get(("optimizer", index)):
+                optimizer.state.pop(param, None)
+            continue
+        own = optimizer.state[param]
+        for key in [key for key in own if key not in saved and ("optimizer", index, key) in marks]:
+            del own[key]
+        for key, value in saved.items():
+            if not edited(marks.get(("optimizer", index, key)), value):
+                continue
+            current = own.get(key)
+            if isinstance(value, Tensor) and isinstance(current, Tensor):
+                rows = id(param) in stacked_ids and current.shape == (param.shape[0], *value.shape)
+                if rows or current.shape == value.shape:
+                    current.copy_(value.expand_as(current))
+                    continue
+            own[key] = value.clone() if isinstance(value, Tensor) else value
+
+
 @torch.no_grad()
 def resize_stacked_state_(optimizer: Optimizer, new_params: Mapping[int, Tensor], num_replicas: int) -> None:
     """Re-points ``optimizer`` from stacked params to ``new_params[id(old)]`` with ``num_replicas`` rows.

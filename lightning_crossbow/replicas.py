@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,12 @@ def resize_rows(stacked: Tensor, num_rows: int, fill: Optional[Tensor] = None) -
     kept = min(stacked.shape[0], num_rows)
     resized[:kept] = stacked[:kept]
     return resized
+
+
+def _every_learner_takes_center(bucket: FlatBucket, start: int, end: int) -> None:
+    """Every replica's, and z_prev's, elements ``start:end`` of ``bucket`` <- z's."""
+    bucket.replicas[:, start:end] = bucket.center[start:end]
+    bucket.center_prev[start:end] = bucket.center[start:end]
 
 
 @dataclass
@@ -347,10 +353,28 @@ class ReplicaStack:
         for bucket, before in zip(self.buckets, seen):  # (buckets added since are made from z)
             for name, start, end, _ in bucket.slices():
                 if not torch.equal(bucket.center[start:end], before[start:end]):
-                    bucket.replicas[:, start:end] = bucket.center[start:end]
-                    bucket.center_prev[start:end] = bucket.center[start:end]
+                    _every_learner_takes_center(bucket, start, end)
                     changed.append(name)
         return changed
+
+    @torch.no_grad()
+    def take_center_values_(self, names: Collection[str]) -> list[str]:
+        """Every replica (and z's previous value) takes z's value of each parameter and buffer named in ``names``:
+        entries of a checkpoint that a hook edited after the replicas' own copies were saved (``on_load_checkpoint``
+        resetting a head, say), as plain Lightning trains from the edited values. Returns the names taken."""
+        taken = []
+        for bucket in self.buckets:
+            for name, start, end, _ in bucket.slices():
+                if name in names:
+                    _every_learner_takes_center(bucket, start, end)
+                    taken.append(name)
+        for name in self.buffers:
+            if name in names and (buf := self._center_buffer(name)) is not None:
+                self._every_replica_takes_buffer(name, buf)
+                taken.append(name)
+        if taken:
+            self.note_center_buffers()
+        return taken
 
     def _center_buffer(self, name: str) -> Optional[Tensor]:
         """z's buffer ``name``, as the module holds it now (None where it was set to None)."""
@@ -376,15 +400,19 @@ class ReplicaStack:
             seen = self._center_buffers_seen.get(name)
             if buf is None or (seen is not None and buf is seen[0] and buf._version == seen[1]):
                 continue  # (unchanged; or set to None, where the replicas keep theirs)
-            stack = self.buffers[name]
-            if buf.shape == stack.shape[1:] and buf.dtype == stack.dtype and buf.device == stack.device:
-                stack.copy_(buf.expand_as(stack))
-            else:  # (assigned anew, in another shape or dtype)
-                self.buffers[name] = buf.detach().unsqueeze(0).repeat(self.num_replicas, *([1] * buf.dim()))
+            self._every_replica_takes_buffer(name, buf)
             taken.append(name)
         if taken:
             self.note_center_buffers()
         return taken
+
+    def _every_replica_takes_buffer(self, name: str, buf: Tensor) -> None:
+        """Every replica's buffer ``name`` <- ``buf`` (z's), in place, or anew where it has another shape or dtype."""
+        stack = self.buffers[name]
+        if buf.shape == stack.shape[1:] and buf.dtype == stack.dtype and buf.device == stack.device:
+            stack.copy_(buf.expand_as(stack))
+        else:  # (assigned anew, in another shape or dtype)
+            self.buffers[name] = buf.detach().unsqueeze(0).repeat(self.num_replicas, *([1] * buf.dim()))
 
     @torch.no_grad()
     def sync_center_buffers_(self, all_reduce_mean: Optional[BufferReducer] = None) -> None:

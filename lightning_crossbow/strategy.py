@@ -99,7 +99,9 @@ from lightning_crossbow.optim import (
     central_state_dict,
     central_state_over_ranks,
     check_elementwise,
+    checkpoint_marks,
     clip_grad_norm_per_replica_,
+    edited,
     learning_rates_scaled,
     repoint_to_stack,
     reset_state_rows_,
@@ -108,6 +110,7 @@ from lightning_crossbow.optim import (
     stacked_indices,
     stacked_params,
     take_central_settings_,
+    take_edited_state_,
     unfuse_,
     with_learning_rates,
 )
@@ -290,6 +293,8 @@ class CrossbowStrategy(DDPStrategy):
         self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
         self._leaves_after_fit: list[Tensor] = []  #: the stacked leaves the optimizer steps, kept at teardown
+        #: The checkpoint being resumed from, as loaded, before hooks edit it (:func:`checkpoint_marks`).
+        self._checkpoint_marks: Optional[dict[tuple[Any, ...], Any]] = None
         self._param_groups_seen = 0  #: the optimizer's param groups when last re-pointed at the replicas
         self._optimizer_seen: Optional[Optimizer] = None  #: the optimizer last re-pointed at the replicas
         self._unfused_groups: set[int] = set()  #: param groups made with fused=True that run without it
@@ -1905,6 +1910,14 @@ class CrossbowStrategy(DDPStrategy):
         return grouped.last_group_batches if handed_out > progress.processed else 0
 
     @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load; notes what each entry holds as loaded, before ``on_load_checkpoint`` may edit it. (The
+        other arguments, ``weights_only`` since Lightning 2.6, go to Lightning's.)"""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._checkpoint_marks = checkpoint_marks(checkpoint)
+        return checkpoint
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Restores every replica, its optimizer state and z_prev; re-seeds from z when k or world size differ."""
         self._load_replicas_and_optimizer(checkpoint)
@@ -1979,6 +1992,7 @@ class CrossbowStrategy(DDPStrategy):
             # z's buffers were restored before the set-up made the replicas: what changed them since is a hook's
             # (on_fit_start's), which the loaded replicas take; their own buffers otherwise go on.
             self.stack.take_center_buffer_changes_()
+            self._take_edits_of_the_checkpoint(checkpoint, optimizer)
             self._last_lrs, self._lrs_before_last = state["last_lrs"], state.get("lrs_before_last")
             self.period.restart(state.get("steps_since_averaging", 0))
             self._lr_drop_pending = state.get("lr_drop_pending", False)
@@ -2032,6 +2046,21 @@ class CrossbowStrategy(DDPStrategy):
                 else ""
             )
         )
+
+    def _take_edits_of_the_checkpoint(self, checkpoint: Mapping[str, Any], optimizer: Optimizer) -> None:
+        """The replicas and their optimizer state, loaded from crossbow's own copies, take what a hook edited in the
+        checkpoint's ``state_dict`` and ``optimizer_states`` since it was loaded (``on_load_checkpoint`` resetting a
+        head, BatchNorm's statistics or a momentum), as plain Lightning trains from the edited entries."""
+        marks, self._checkpoint_marks = self._checkpoint_marks, None
+        if marks is None:  # (a checkpoint given otherwise than through load_checkpoint: nothing known of edits)
+            return
+        assert self.stack is not None
+        state_dict = checkpoint.get("state_dict") or {}
+        self.stack.take_center_values_(
+            [name for name, value in state_dict.items() if edited(marks.get(("state_dict", name)), value)]
+        )
+        if checkpoint.get("optimizer_states"):
+            take_edited_state_(optimizer, checkpoint["optimizer_states"][0]["state"], marks, self._stacked_leaves())
 
     def _carries_on_the_k_of(self, state: Optional[Mapping[str, Any]]) -> bool:
         """Whether a resume goes on with the checkpoint's k (instead of re-seeding the replicas at this strategy's):
@@ -2097,6 +2126,7 @@ class CrossbowStrategy(DDPStrategy):
             self._mean_gradients.remove()
             self._mean_gradients = None
         self._sigterm_vote.uninstall()
+        self._checkpoint_marks = None
         if self.stack is not None:  # (a checkpoint saved after fit reads the optimizer, still over them)
             self._leaves_after_fit = list(self.stack.params.values())
             self.stack.release_center()  # (z's parameters, views of flat buffers, each its own tensor again)

@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import numpy as np
@@ -1003,6 +1003,85 @@ def test_after_fit_each_parameter_holds_its_own_storage(tmp_path: Path, k: int) 
     torch.save({key: value.clone() for key, value in head.items()}, tmp_path / "copy.pt")
     assert (tmp_path / "head.pt").stat().st_size == (tmp_path / "copy.pt").stat().st_size
     assert all(torch.equal(a, b) for a, b in zip(head.values(), torch.load(tmp_path / "head.pt").values()))
+
+
+class _EditsOnLoad(Classifier):
+    """A BatchNorm classifier whose ``on_load_checkpoint`` edits what the resume trains from, as a fine-tuning
+    recipe may: a head re-initialised, BatchNorm's statistics reset, the momentum zeroed, or one parameter's
+    optimizer state dropped."""
+
+    def __init__(self, edit: Optional[str] = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+        self.edit = edit
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state_dict, optimizer_state = checkpoint["state_dict"], checkpoint["optimizer_states"][0]["state"]
+        if self.edit == "head":
+            state_dict["net.3.weight"] = torch.zeros(3, 8)
+        elif self.edit == "batch norm":
+            state_dict["net.1.running_mean"].zero_()
+            state_dict["net.1.running_var"] = torch.ones(8)
+        elif self.edit == "momentum":
+            for entries in optimizer_state.values():
+                entries["momentum_buffer"].zero_()
+        elif self.edit == "state dropped":
+            del optimizer_state[0]
+
+
+class _StackAtTrainStart(L.Callback):
+    """Keeps, as training starts, the replicas of ``net.3.weight`` and ``net.1.running_mean``, and each stacked
+    leaf's optimizer state."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        stack = trainer.strategy.stack
+        self.head = stack.params["net.3.weight"].detach().clone()
+        self.running_mean = stack.buffers["net.1.running_mean"].clone()
+        optimizer = trainer.optimizers[0]
+        self.state = [
+            {key: value.clone() for key, value in optimizer.state.get(leaf, {}).items()} for leaf in stack.params.values()
+        ]
+
+
+@pytest.mark.parametrize("edit", ["head", "batch norm", "momentum", "state dropped"])
+def test_what_on_load_checkpoint_edits_is_what_a_resume_trains_from(tmp_path: Path, edit: str) -> None:
+    """At k=1 two resumed steps are bitwise plain Lightning's; at k=2 under ``sma`` (whose replicas differ from z)
+    every replica starts from the edited entries. Crossbow's own copies of the replicas and their optimizer state,
+    saved beside the ones the hook edits, were restored over the edits."""
+    data = make_data(64)
+    first = trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), max_epochs=1)
+    first.fit(_EditsOnLoad(), loader(data))
+    first.save_checkpoint(tmp_path / "sma.ckpt")
+    ends = []
+    for crossbow in (False, True):
+        fit = trainer(strategy=CrossbowStrategy(replicas_per_device=1) if crossbow else "auto", max_epochs=1)
+        fit.fit(_EditsOnLoad(), loader(data))
+        fit.save_checkpoint(tmp_path / "one.ckpt")
+        model = _EditsOnLoad(edit)
+        strategy = CrossbowStrategy(replicas_per_device=1) if crossbow else "auto"
+        trainer(strategy=strategy, max_epochs=-1, max_steps=fit.global_step + 2).fit(
+            model, loader(data), ckpt_path=tmp_path / "one.ckpt"
+        )
+        ends.append(model.state_dict())
+    for name, value in ends[0].items():
+        assert torch.equal(value, ends[1][name]), name
+    seen = _StackAtTrainStart()
+    trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"),
+        max_epochs=-1,
+        max_steps=first.global_step + 1,
+        callbacks=[seen],
+    ).fit(_EditsOnLoad(edit), loader(data), ckpt_path=tmp_path / "sma.ckpt")
+    assert not torch.equal(seen.head[0], seen.head[1]) or edit == "head"  # (the replicas differ from each other)
+    if edit == "head":
+        assert torch.equal(seen.head, torch.zeros(2, 3, 8))
+    if edit == "batch norm":
+        assert torch.equal(seen.running_mean, torch.zeros(2, 8))
+    if edit == "momentum":
+        assert all(not state["momentum_buffer"].any() for state in seen.state)
+    if edit == "state dropped":
+        assert seen.state[0] == {} and all(state for state in seen.state[1:])
 
 
 def test_a_weights_only_checkpoint_holds_no_crossbow_state(tmp_path: Path) -> None:
