@@ -325,6 +325,7 @@ class CrossbowStrategy(DDPStrategy):
         self._routed_place_unknown = False
         #: Whether the engine is running the user's training_step with the replicas' weights in the module (k > 1).
         self._replicas_in_module = False
+        self._running_replica_steps = False  #: while the engine runs the replicas' training_step
         #: Whether the replicas' logs were replayed as training_step's in the batch in progress.
         self._training_step_logged = False
         #: Inside an optimizer step whose learning rates follow larger batches (lr_follows_batch): the param groups'
@@ -962,10 +963,11 @@ class CrossbowStrategy(DDPStrategy):
         engine = self.engine if not forward_only else self._forward_only_engine()
         with self.precision_plugin.train_step_context():
             self._replicas_in_module = self.num_learners > 1  # (K: every rank refuses alike)
+            self._running_replica_steps = True
             try:
                 output = engine.run(self.stack, batches, rest, self._log_capture)
             finally:
-                self._replicas_in_module = False
+                self._replicas_in_module = self._running_replica_steps = False
         if forward_only:  # no backward follows, whose end replays the logs
             self._replay_logs()
         losses = output.losses
@@ -1776,6 +1778,41 @@ class CrossbowStrategy(DDPStrategy):
         # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.
         self._final_state = self._strategy_state() if self.stack is not None else None
         self._sigterm_vote.stop_if_any_signalled(self.root_device, all_reduce_sum_)
+
+    # ------------------------------------------------------------------ the user's collectives
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        self._refuse_collectives_of_uneven_replicas("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        self._refuse_collectives_of_uneven_replicas("reduce")
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._refuse_collectives_of_uneven_replicas("broadcast")
+        return super().broadcast(obj, src=src)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_collectives_of_uneven_replicas("barrier")
+        super().barrier(*args, **kwargs)
+
+    def _refuse_collectives_of_uneven_replicas(self, name: str) -> None:
+        """In heterogeneous mode a collective of the user's inside ``training_step`` (``self.all_gather``, say) is
+        refused: each process runs its own number of replicas a step, one after another where the step does not
+        run fused, so their collectives would not pair up across processes and every process would wait for the
+        others for good. (In uniform mode replica j of every process meets replica j of the others.)"""
+        if self._running_replica_steps and self.routing is not None:
+            raise RuntimeError(
+                f"crossbow: training_step called the strategy's {name} (self.{name}, say) under heterogeneous=True,"
+                " where each process runs its own number of replicas a step (the split follows the measured speeds):"
+                " the replicas' collectives would not pair up across processes, and every process would wait for"
+                " the others until the timeout. Make the collective outside training_step (on_train_batch_end, say),"
+                " or train with heterogeneous=False (there replica j of every process meets replica j of the others)."
+            )
 
     # ---------------------------------------------------------------------------- checkpoints
     @override

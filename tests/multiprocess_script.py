@@ -3,7 +3,7 @@
 usage: python tests/multiprocess_script.py OUT_DIR {popen,spawn} K [--mismatch] [--epochs N] [--resume CKPT]
        [--save CKPT] [--distributed-sampler] [--checkpoint-dir DIR] [--kill-at-step S] [--tune] [--algorithm A]
        [--heterogeneous COSTS] [--samples N] [--optimizer NAME] [--outer-lr ETA] [--second-fit] [--uneven-datasets]
-       [--sigterm-at-step S] [--skip-at-step S] [--averaging-period H]
+       [--sigterm-at-step S] [--skip-at-step S] [--averaging-period H] [--gathers-in-step]
 """
 
 from __future__ import annotations
@@ -239,6 +239,16 @@ class ReadsEstimatedSteps(Classifier):
         return super().configure_optimizers()
 
 
+class GathersInStep(Classifier):
+    """Gathers every process's outputs in ``training_step`` (negatives for a contrastive loss, say)."""
+
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        x, y = batch  # type: ignore[misc]
+        out = self(x)
+        everyone = self.all_gather(out.detach())
+        return torch.nn.functional.cross_entropy(out, y) + 0.0 * everyone.sum()
+
+
 class WithBackbone(Classifier):
     """Lightning's fine-tuning set-up: a ``backbone`` (the first layer) and an optimizer over what is trainable."""
 
@@ -284,6 +294,7 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="validate on 8 batches after every epoch")
     parser.add_argument("--sigterm-at-step", type=int, help="rank 1 alone gets SIGTERM after this step")
     parser.add_argument("--skip-at-step", type=int, help="every replica of every rank skips this step")
+    parser.add_argument("--gathers-in-step", action="store_true", help="training_step calls self.all_gather")
     parser.add_argument("--finetune", action="store_true", help="BackboneFinetuning: net.0 frozen until epoch 1")
     parser.add_argument("--averaging-period", type=int, default=1, help="optimizer steps between two averagings")
     parser.add_argument("--max-batch-scale", type=float, default=1.0, help="SpeedBalancer's (with --heterogeneous)")
@@ -363,6 +374,8 @@ def main() -> None:
         model = WithBackbone(optimizer=args.optimizer)
     elif args.reads_estimated_steps:
         model = ReadsEstimatedSteps(optimizer=args.optimizer)
+    elif args.gathers_in_step:
+        model = GathersInStep(optimizer=args.optimizer)
     else:
         model = Classifier(optimizer=args.optimizer)
     try:

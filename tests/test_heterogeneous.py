@@ -1090,6 +1090,19 @@ def test_ranks_with_different_datasets_fail_before_training(tmp_path: Path) -> N
     assert not list(tmp_path.glob("rank*.pt"))  # no rank trained
 
 
+def test_a_collective_in_training_step_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """``self.all_gather`` in ``training_step``: each rank runs its own number of replicas, one after another (it
+    cannot run fused), so the collectives would not pair up once the split is uneven (rank 0 gathered for its
+    extra replicas while rank 1 waited in the averaging, until the timeout). Refused at the first step, on both."""
+    result = _run(tmp_path, ANY_LAUNCHER, "3", "--heterogeneous", "1,3", "--samples", "96", "--gathers-in-step")
+    assert result.returncode != 0
+    assert (
+        "crossbow: training_step called the strategy's all_gather (self.all_gather, say) under heterogeneous=True"
+        in result.stderr
+    )
+    assert not list(tmp_path.glob("rank*.pt"))  # no rank trained
+
+
 def test_speed_balancer_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="every must be a positive int"):
         SpeedBalancer(every=0)
