@@ -305,7 +305,9 @@ def why_unroutable(dataloader: object) -> Optional[str]:
         return "a map-style dataset (an IterableDataset has no order to share out)"
     sampler = dataloader.sampler
     if type(sampler) not in (RandomSampler, SequentialSampler, DistributedSampler):  # (Lightning's injected one)
-        return f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(sampler).__name__}"
+        # (Lightning wraps a sampler of the user's for its processes: named is the user's)
+        yours = getattr(getattr(sampler, "dataset", None), "_sampler", sampler)
+        return f"shuffle=True or False (a RandomSampler or SequentialSampler), got a {type(yours).__name__}"
     if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(dataloader.dataset)):
         return (
             "shuffle=True without replacement over the whole dataset (a RandomSampler with replacement or num_samples)"

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch import Tensor, nn
@@ -21,7 +22,7 @@ from lightning_crossbow.balancing import StepTime, fill_batches, split_learners,
 from lightning_crossbow.data import RoutedBatchLoader
 from lightning_crossbow.heterogeneous import LearnerLayouts
 from lightning_crossbow.optim import learning_rates_scaled
-from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan
+from lightning_crossbow.routing import Layout, RoutedBatchSampler, RoutingPlan, why_unroutable
 from tests.helpers import BatchesSeen, Classifier, loader, make_data, make_net, trainer
 from tests.test_multiprocess import ANY_LAUNCHER, _run
 
@@ -535,6 +536,11 @@ def test_heterogeneous_mode_refuses_a_sampler_it_cannot_reproduce_on_every_rank(
     strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=True)
     with pytest.raises(ValueError, match="needs shuffle=True or False .* got a WeightedRandomSampler"):
         trainer(strategy=strategy).fit(Classifier(), weighted)
+    # Across processes Lightning wraps the user's sampler for them: the one named is still the user's.
+    wrapped = DataLoader(dataset, batch_size=8, sampler=DistributedSamplerWrapper(weighted.sampler, 2, 0))
+    assert why_unroutable(wrapped) == (
+        "shuffle=True or False (a RandomSampler or SequentialSampler), got a WeightedRandomSampler"
+    )
 
 
 def test_heterogeneous_mode_refuses_a_batch_sampler_given_to_the_loader_saying_so() -> None:
