@@ -336,19 +336,38 @@ class HeldRows:
 
 
 @torch.no_grad()
-def clip_grad_norm_per_replica_(params: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm_per_replica_(
+    params: Sequence[Tensor], stacked: Collection[Tensor], max_norm: float, norm_type: float = 2.0
+) -> Tensor:
     """Clips each replica's gradient to total ``norm_type``-norm ``max_norm``; returns the ``(k,)`` norms.
 
-    Row ``j`` of every stacked gradient belongs to replica ``j``: its total norm is taken over that row
-    of all parameters, as ``torch.nn.utils.clip_grad_norm_`` would do for a lone replica.
+    Row ``j`` of every stacked gradient (``params`` that are in ``stacked``, ``(k, *shape)``, 0-dim parameters'
+    ``(k,)``) belongs to replica ``j``: its total norm is taken over that row of all of them, in ``params``' order,
+    as ``torch.nn.utils.clip_grad_norm_`` would for a lone replica. A gradient that every replica shares (a tensor
+    the optimizer steps that has no replicas) counts whole in every replica's total, and is scaled by the mean of
+    the replicas' scales. With one replica, ``clip_grad_norm_`` exactly.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    ids = {id(leaf) for leaf in stacked}
+    grads = [(param.grad, id(param) in ids) for param in params if param.grad is not None]
     if not grads:
         return torch.zeros(0)
-    per_tensor = torch.stack([torch.linalg.vector_norm(g.flatten(1), norm_type, dim=1) for g in grads])
+    k = next((grad.shape[0] for grad, rows in grads if rows), 1)
+    per_tensor = torch.stack(
+        [
+            torch.linalg.vector_norm(grad.reshape(k, -1), norm_type, dim=1)
+            if rows
+            else torch.linalg.vector_norm(grad, norm_type).expand(k)
+            for grad, rows in grads
+        ]
+    )
     norms = torch.linalg.vector_norm(per_tensor, norm_type, dim=0)
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, [scale.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for g in grads])
+    per_replica = [grad for grad, rows in grads if rows]
+    if per_replica:
+        torch._foreach_mul_(per_replica, [scale.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for g in per_replica])
+    for grad, rows in grads:
+        if not rows:
+            grad.mul_(scale.mean().to(grad.dtype))
     return norms
 
 

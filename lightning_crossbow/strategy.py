@@ -618,7 +618,7 @@ class CrossbowStrategy(DDPStrategy):
             )
 
     def _clip_grad_by_norm_per_replica(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_per_replica_(stacked_params(optimizer), float(clip_val))
+        clip_grad_norm_per_replica_(stacked_params(optimizer), self._stacked_leaves(), float(clip_val))
 
     # ------------------------------------------------------------------------------------ data
     @override

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import warnings
@@ -22,6 +23,7 @@ from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup
 from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialEngine, _stack_batches
 from lightning_crossbow.log_capture import LogCapture
+from lightning_crossbow.optim import clip_grad_norm_per_replica_
 from lightning_crossbow.replicas import ReplicaStack
 from tests.helpers import (
     BranchesOnTheData,
@@ -906,6 +908,56 @@ def test_gradient_clipping_applies_per_replica() -> None:
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
         for name, p in reference.named_parameters():
             torch.testing.assert_close(snapshot.params[name][j], initial[name] - 0.1 * p.grad)
+
+
+class _WithTemperature(Classifier):
+    """A learnable 0-dim temperature on the scores (CLIP's ``logit_scale``, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) * self.temperature
+
+
+def test_gradient_clipping_takes_a_0_dim_parameter_in_each_replicas_norm() -> None:
+    """k=1 is plain Lightning bitwise; at k=2 each replica clips its own gradient, the temperature's included (its
+    stacked gradient, ``(k,)``, raised "Dimension out of range")."""
+    dataset = make_data(num_samples=16)
+    ends = []
+    for strategy in ("auto", CrossbowStrategy(replicas_per_device=1)):
+        model = _WithTemperature()
+        trainer(strategy=strategy, max_steps=2, gradient_clip_val=0.01).fit(model, loader(dataset))
+        ends.append(model.state_dict())
+    assert all(torch.equal(value, ends[1][name]) for name, value in ends[0].items())
+    model, snapshot = _WithTemperature(), ReplicaSnapshot()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    strategy = CrossbowStrategy(algorithm="sma", replicas_per_device=2)
+    trainer(strategy=strategy, max_steps=1, gradient_clip_val=0.01, callbacks=[snapshot]).fit(model, loader(dataset))
+    for j, (x, y) in enumerate(loader(dataset)):  # each replica clips its own gradient, then one SGD step
+        reference = _WithTemperature()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(snapshot.params[name][j], initial[name] - 0.1 * p.grad)
+
+
+def test_a_gradient_the_replicas_share_counts_in_each_replicas_norm_and_takes_their_mean_scale() -> None:
+    stacked = [torch.zeros(3, requires_grad=True), torch.zeros(3, 4, 5, requires_grad=True)]
+    shared = torch.zeros(2, requires_grad=True)  # (a tensor the optimizer steps that has no replicas)
+    stacked[0].grad, stacked[1].grad, shared.grad = torch.randn(3), torch.randn(3, 4, 5), torch.randn(2)
+    before = [t.grad.clone() for t in (*stacked, shared)]
+    norms = clip_grad_norm_per_replica_([stacked[0], shared, stacked[1]], stacked, max_norm=2.0)
+    for j in range(3):
+        squares = float(before[0][j]) ** 2 + float(before[1][j].square().sum()) + float(before[2].square().sum())
+        total = math.sqrt(squares)
+        assert float(norms[j]) == pytest.approx(total, rel=1e-6)
+    scales = [min(1.0, 2.0 / (float(n) + 1e-6)) for n in norms]
+    for j, scale in enumerate(scales):
+        torch.testing.assert_close(stacked[0].grad[j], before[0][j] * scale)
+        torch.testing.assert_close(stacked[1].grad[j], before[1][j] * scale)
+    torch.testing.assert_close(shared.grad, before[2] * sum(scales) / 3)
 
 
 def test_accumulate_grad_batches_accumulates_per_replica() -> None:
