@@ -24,7 +24,9 @@ given to every replica:
     g_j \\leftarrow g_j + (\\bar g' - \\bar g) \\quad (k > 1), \\qquad g_1 \\leftarrow \\bar g' \\quad (k = 1)
 
 so the replicas' mean gradient is what the hook left (``None``: no replica has a gradient for the parameter, which
-the optimizer then skips, as plain Lightning's does). At ``k = 1`` that is plain Lightning's step exactly. With
+the optimizer then skips, as plain Lightning's does). An element that the hook set to exactly zero (from a value
+that was not) is zero in every replica's gradient: a layer, or rows of it, held where it is, whatever the optimizer
+(with Adam each replica's shifted gradient would give it a step of its own, which their mean does not cancel). At ``k = 1`` that is plain Lightning's step exactly. With
 scaled averaging and an optimizer linear in the gradient (SGD, with momentum), z then moves by the outer learning
 rate times what plain Lightning's optimizer would do with the hook's gradient; a change that is not a shift
 (clipping ``\\bar g`` by a factor) reaches each replica as the same shift.
@@ -120,6 +122,7 @@ class MeanGradients:
             else:
                 before = copy if copy is not None else self._mean(leaf)
                 leaf.grad.add_((grad - before).unsqueeze(0))
+                leaf.grad.masked_fill_(((grad == 0) & (before != 0)).unsqueeze(0), 0.0)  # (held elements)
             self._show(index)
 
     def remove(self) -> None:

@@ -1005,6 +1005,31 @@ def test_after_fit_each_parameter_holds_its_own_storage(tmp_path: Path, k: int) 
     assert all(torch.equal(a, b) for a, b in zip(head.values(), torch.load(tmp_path / "head.pt").values()))
 
 
+class _HoldsTheFirstLayer(Classifier):
+    """Adam; ``on_before_optimizer_step`` zeroes the first layer's gradient (a layer held, as fine-tuning recipes
+    do), and the first row of the last layer's."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.net[0].weight.grad.zero_()
+        self.net[2].weight.grad[0] = 0.0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_gradient_a_hook_zeroes_holds_the_parameter_under_adam(k: int) -> None:
+    """Each replica's gradient got the hook's change as a shift, ``g_j - mean``, which Adam turned into a step of
+    each replica's own whose mean is not zero (at k=4 the held layer moved by 0.07); as in plain Lightning, what
+    a hook zeroes stays where it is."""
+    model = _HoldsTheFirstLayer()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer(strategy=CrossbowStrategy(replicas_per_device=k), max_epochs=2).fit(model, loader(make_data(128)))
+    assert torch.equal(model.net[0].weight, initial["net.0.weight"])
+    assert torch.equal(model.net[2].weight[0], initial["net.2.weight"][0])
+    assert not torch.equal(model.net[2].weight[1:], initial["net.2.weight"][1:])  # (the rest trained)
+
+
 class _EditsOnLoad(Classifier):
     """A BatchNorm classifier whose ``on_load_checkpoint`` edits what the resume trains from, as a fine-tuning
     recipe may: a head re-initialised, BatchNorm's statistics reset, the momentum zeroed, or one parameter's
