@@ -26,7 +26,8 @@ given to every replica:
 so the replicas' mean gradient is what the hook left (``None``: no replica has a gradient for the parameter, which
 the optimizer then skips, as plain Lightning's does). An element that the hook set to exactly zero (from a value
 that was not) is zero in every replica's gradient: a layer, or rows of it, held where it is, whatever the optimizer
-(with Adam each replica's shifted gradient would give it a step of its own, which their mean does not cancel). At ``k = 1`` that is plain Lightning's step exactly. With
+(with Adam each replica's shifted gradient would give it a step of its own, which their mean does not cancel).
+At ``k = 1`` that is plain Lightning's step exactly. With
 scaled averaging and an optimizer linear in the gradient (SGD, with momentum), z then moves by the outer learning
 rate times what plain Lightning's optimizer would do with the hook's gradient; a change that is not a shift
 (clipping ``\\bar g`` by a factor) reaches each replica as the same shift.
