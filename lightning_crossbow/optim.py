@@ -15,7 +15,21 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop, Rprop
+from torch.optim import (
+    ASGD,
+    LBFGS,
+    SGD,
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    NAdam,
+    Optimizer,
+    RAdam,
+    RMSprop,
+    Rprop,
+)
 
 from lightning_crossbow.replicas import resize_rows
 
@@ -62,15 +76,25 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
 def check_elementwise(optimizer: Optimizer, declared: Iterable[type[Optimizer]] = ()) -> None:
     """Raises ``TypeError`` unless ``optimizer``'s exact class is known (or declared) element-wise."""
     allowed = (*ELEMENTWISE_OPTIMIZERS, *declared)
-    if type(optimizer) not in allowed:
-        names = ", ".join(cls.__name__ for cls in allowed)
+    if type(optimizer) in allowed:
+        return
+    name, names = type(optimizer).__name__, ", ".join(cls.__name__ for cls in allowed)
+    if isinstance(optimizer, LBFGS):
         raise TypeError(
-            f"crossbow cannot use the optimizer {type(optimizer).__qualname__}: it is not known to be element-wise,"
-            " and an optimizer that mixes elements within a tensor would mix the replicas stacked in it."
-            f" Known element-wise optimizers: {names}. If {type(optimizer).__name__} updates every element from"
-            " that element's own gradient and state only, declare it:"
-            f" CrossbowStrategy(elementwise_optimizers=[{type(optimizer).__name__}])."
+            f"crossbow cannot use the optimizer {type(optimizer).__qualname__}: L-BFGS steps every parameter together"
+            " (its curvature pairs and its line search span all elements), so it would mix the replicas stacked in"
+            f" each tensor. Use an element-wise optimizer: {names}."
         )
+    parent = next((cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS if isinstance(optimizer, cls)), None)
+    if parent is not None:
+        how = f"{name} subclasses {parent}, which is: if it keeps its step element-wise, declare it"
+    else:
+        how = f"If {name} updates every element from that element's own gradient and state only, declare it"
+    raise TypeError(
+        f"crossbow cannot use the optimizer {type(optimizer).__qualname__}: it is not known to be element-wise,"
+        " and an optimizer that mixes elements within a tensor would mix the replicas stacked in it."
+        f" Known element-wise optimizers: {names}. {how}: CrossbowStrategy(elementwise_optimizers=[{name}])."
+    )
 
 
 def unfuse_(optimizer: Optimizer) -> list[int]:

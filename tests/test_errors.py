@@ -138,8 +138,8 @@ class _NeverTrains(L.Callback):
         (_Manual, RuntimeError, "automatic optimization only"),
         (_DrawsItsBatches, RuntimeError, r"does not support training_step\(self, dataloader_iter\): crossbow hands"),
         (_TwoOptimizers, RuntimeError, "exactly one optimizer from configure_optimizers, got more than one"),
-        (_LBFGS, TypeError, "cannot use the optimizer LBFGS: it is not known to be element-wise"),
-        (_Custom, TypeError, r"MySGD.*elementwise_optimizers=\[MySGD\]"),
+        (_LBFGS, TypeError, "cannot use the optimizer LBFGS: L-BFGS steps every parameter together .* Use an"),
+        (_Custom, TypeError, r"MySGD subclasses SGD, which is: if it .*\(elementwise_optimizers=\[MySGD\]"),
         (_Lazy, ValueError, r"cannot replicate net.0.weight, net.0.bias: uninitialized \(a lazy module's"),
     ],
 )
