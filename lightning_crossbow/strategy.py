@@ -292,6 +292,8 @@ class CrossbowStrategy(DDPStrategy):
         self._lrs_before_last: Optional[list[float]] = None
         self._center_stale = False
         self._final_state: Optional[dict[str, Any]] = None
+        #: The module's state_dict when ``_final_state`` was kept: what the kept replicas belong to.
+        self._center_after_fit: dict[str, Tensor] = {}
         self._leaves_after_fit: list[Tensor] = []  #: the stacked leaves the optimizer steps, kept at teardown
         #: The checkpoint being resumed from, as loaded, before hooks edit it (:func:`checkpoint_marks`).
         self._checkpoint_marks: Optional[dict[tuple[Any, ...], Any]] = None
@@ -552,7 +554,7 @@ class CrossbowStrategy(DDPStrategy):
             hook = group_as_it_is if self._transfer_per_batch else on_before_batch_transfer_per_batch
             module._on_before_batch_transfer = MethodType(hook, module)  # type: ignore[method-assign]
         self._last_lrs = self._lrs_before_last = None
-        self._final_state = None
+        self._final_state, self._center_after_fit = None, {}
         self.period.restart()
         self._averaging_now, self._average_at_step_end, self._lr_drop_pending = True, False, False
 
@@ -1776,7 +1778,7 @@ class CrossbowStrategy(DDPStrategy):
         self.average_pending_steps()
         self.sync_center()
         # Teardown frees the replicas; keep their state (on the CPU) for a checkpoint saved after fit.
-        self._final_state = self._strategy_state() if self.stack is not None else None
+        self._keep_final_state()
         self._sigterm_vote.stop_if_any_signalled(self.root_device, all_reduce_sum_)
 
     # ------------------------------------------------------------------ the user's collectives
@@ -1833,6 +1835,8 @@ class CrossbowStrategy(DDPStrategy):
     ) -> None:
         if "optimizer_states" in checkpoint:  # (a weights-only checkpoint holds z alone, as plain Lightning's)
             state = self._strategy_state() if self.stack is not None else self._final_state  # from every rank
+            if state is not None and self.stack is None:
+                state = self._with_center_changed_since_fit(state, checkpoint)
             if state is not None:
                 checkpoint[_CHECKPOINT_KEY] = state
             if state is not None and state["world_size"] > 1 and state["ranks"] is not None:  # (rank 0, which writes)
@@ -2087,14 +2091,18 @@ class CrossbowStrategy(DDPStrategy):
     def _take_edits_of_the_checkpoint(self, checkpoint: Mapping[str, Any], optimizer: Optimizer) -> None:
         """The replicas and their optimizer state, loaded from crossbow's own copies, take what a hook edited in the
         checkpoint's ``state_dict`` and ``optimizer_states`` since it was loaded (``on_load_checkpoint`` resetting a
-        head, BatchNorm's statistics or a momentum), as plain Lightning trains from the edited entries."""
+        head, BatchNorm's statistics or a momentum), and the module's weights that changed after the fit that saved
+        it (``center_changed``), as plain Lightning trains from the entries the file holds."""
+        assert self.stack is not None
+        changed_after_fit = (checkpoint.get(_CHECKPOINT_KEY) or {}).get("center_changed") or []
         marks, self._checkpoint_marks = self._checkpoint_marks, None
         if marks is None:  # (a checkpoint given otherwise than through load_checkpoint: nothing known of edits)
+            self.stack.take_center_values_(changed_after_fit)
             return
-        assert self.stack is not None
         state_dict = checkpoint.get("state_dict") or {}
         self.stack.take_center_values_(
             [name for name, value in state_dict.items() if edited(marks.get(("state_dict", name)), value)]
+            + changed_after_fit
         )
         if checkpoint.get("optimizer_states"):
             take_edited_state_(optimizer, checkpoint["optimizer_states"][0]["state"], marks, self._stacked_leaves())
@@ -2192,6 +2200,26 @@ class CrossbowStrategy(DDPStrategy):
             vars(self._lightning_module).pop("_on_before_batch_transfer", None)
         super().teardown()
 
+    def _keep_final_state(self) -> None:
+        """Keeps the replicas' state for a checkpoint saved after fit, and the module's state it belongs to."""
+        self._final_state = self._strategy_state() if self.stack is not None else None
+        self._center_after_fit = {
+            name: value.detach().clone() for name, value in self.lightning_module.state_dict().items()
+        }
+
+    def _with_center_changed_since_fit(self, state: dict[str, Any], checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """A checkpoint saved after fit holds the replicas kept as fit ended; the module's weights may have changed
+        since (``trainer.test(ckpt_path="best")`` loads others; a hook sets them). The names of those that did are
+        saved beside them: a resume gives every replica z's value of each (:meth:`_take_edits_of_the_checkpoint`),
+        as plain Lightning resumes from the weights the file holds."""
+        kept = self._center_after_fit
+        changed = [
+            name
+            for name, value in (checkpoint.get("state_dict") or {}).items()
+            if name in kept and not torch.equal(value.to(kept[name].device), kept[name])
+        ]
+        return {**state, "center_changed": changed} if changed else state
+
     def _keep_state_of_a_failed_fit(self) -> None:
         """A fit that ended by an error (``on_train_end`` did not run): the replicas' state is kept, as there, so that
         ``trainer.save_checkpoint`` after it saves what ``OnExceptionCheckpoint`` would have. On one process only: on
@@ -2199,7 +2227,7 @@ class CrossbowStrategy(DDPStrategy):
         if self.world_size > 1:
             return
         try:
-            self._final_state = self._strategy_state()
+            self._keep_final_state()
         except Exception as error:  # noqa: BLE001 - the fit's own error is the one to raise, not this one
             rank_zero_warn(
                 "crossbow: after the fit's error, the replicas' state could not be kept"

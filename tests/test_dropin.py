@@ -1109,6 +1109,28 @@ def test_what_on_load_checkpoint_edits_is_what_a_resume_trains_from(tmp_path: Pa
         assert seen.state[0] == {} and all(state for state in seen.state[1:])
 
 
+def test_weights_set_after_fit_are_what_a_checkpoint_saved_then_resumes_from(tmp_path: Path) -> None:
+    """After fit the module takes other weights (``trainer.test(ckpt_path="best")`` loads the best), then a
+    checkpoint is saved: under ``sma`` its resume starts every replica from those weights, BatchNorm's statistics
+    included, as plain Lightning resumes from them (the replicas kept as fit ended went on from the last weights)."""
+    model = _EditsOnLoad()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"), max_epochs=1)
+    fit.fit(model, loader(make_data(64)))
+    torch.manual_seed(5)
+    best = {name: value + torch.randn_like(value.float()).to(value.dtype) for name, value in model.state_dict().items()}
+    model.load_state_dict(best)
+    fit.save_checkpoint(tmp_path / "best.ckpt")
+    seen = _StackAtTrainStart()
+    trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"),
+        max_epochs=-1,
+        max_steps=fit.global_step + 1,
+        callbacks=[seen],
+    ).fit(_EditsOnLoad(), loader(make_data(64)), ckpt_path=tmp_path / "best.ckpt")
+    assert torch.equal(seen.head, best["net.3.weight"].expand(2, 3, 8))
+    assert torch.equal(seen.running_mean, best["net.1.running_mean"].expand(2, 8))
+
+
 def test_a_weights_only_checkpoint_holds_no_crossbow_state(tmp_path: Path) -> None:
     fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
     fit.fit(Classifier(), loader(make_data(num_samples=32)))
