@@ -1065,7 +1065,8 @@ class _StackAtTrainStart(L.Callback):
         self.running_mean = stack.buffers["net.1.running_mean"].clone()
         optimizer = trainer.optimizers[0]
         self.state = [
-            {key: value.clone() for key, value in optimizer.state.get(leaf, {}).items()} for leaf in stack.params.values()
+            {key: value.clone() for key, value in optimizer.state.get(leaf, {}).items()}
+            for leaf in stack.params.values()
         ]
 
 
