@@ -1070,6 +1070,18 @@ class _StackAtTrainStart(L.Callback):
         ]
 
 
+def _resume_sma_seeing_the_stack(model: L.LightningModule, checkpoint: Path, saved_at: int) -> _StackAtTrainStart:
+    """One more step of ``sma`` at k=2 from ``checkpoint`` (saved at step ``saved_at``): the stack as it starts."""
+    seen = _StackAtTrainStart()
+    trainer(
+        strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"),
+        max_epochs=-1,
+        max_steps=saved_at + 1,
+        callbacks=[seen],
+    ).fit(model, loader(make_data(64)), ckpt_path=checkpoint)
+    return seen
+
+
 @pytest.mark.parametrize("edit", ["head", "batch norm", "momentum", "state dropped"])
 def test_what_on_load_checkpoint_edits_is_what_a_resume_trains_from(tmp_path: Path, edit: str) -> None:
     """At k=1 two resumed steps are bitwise plain Lightning's; at k=2 under ``sma`` (whose replicas differ from z)
@@ -1092,13 +1104,7 @@ def test_what_on_load_checkpoint_edits_is_what_a_resume_trains_from(tmp_path: Pa
         ends.append(model.state_dict())
     for name, value in ends[0].items():
         assert torch.equal(value, ends[1][name]), name
-    seen = _StackAtTrainStart()
-    trainer(
-        strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"),
-        max_epochs=-1,
-        max_steps=first.global_step + 1,
-        callbacks=[seen],
-    ).fit(_EditsOnLoad(edit), loader(data), ckpt_path=tmp_path / "sma.ckpt")
+    seen = _resume_sma_seeing_the_stack(_EditsOnLoad(edit), tmp_path / "sma.ckpt", first.global_step)
     assert not torch.equal(seen.head[0], seen.head[1]) or edit == "head"  # (the replicas differ from each other)
     if edit == "head":
         assert torch.equal(seen.head, torch.zeros(2, 3, 8))
@@ -1121,13 +1127,7 @@ def test_weights_set_after_fit_are_what_a_checkpoint_saved_then_resumes_from(tmp
     best = {name: value + torch.randn(value.shape).to(value.dtype) for name, value in model.state_dict().items()}
     model.load_state_dict(best)
     fit.save_checkpoint(tmp_path / "best.ckpt")
-    seen = _StackAtTrainStart()
-    trainer(
-        strategy=CrossbowStrategy(replicas_per_device=2, algorithm="sma"),
-        max_epochs=-1,
-        max_steps=fit.global_step + 1,
-        callbacks=[seen],
-    ).fit(_EditsOnLoad(), loader(make_data(64)), ckpt_path=tmp_path / "best.ckpt")
+    seen = _resume_sma_seeing_the_stack(_EditsOnLoad(), tmp_path / "best.ckpt", fit.global_step)
     assert torch.equal(seen.head, best["net.3.weight"].expand(2, 3, 8))
     assert torch.equal(seen.running_mean, best["net.1.running_mean"].expand(2, 8))
 
