@@ -333,6 +333,29 @@ class ReplicaStack:
             else:
                 stack[rows] = center
 
+    def note_center_for_shifts(self) -> None:
+        """Notes z as it is now (a copy): what :meth:`take_center_shift_` compares against."""
+        self._center_at_averaging: Optional[list[Tensor]] = [bucket.center.clone() for bucket in self.buckets]
+
+    @torch.no_grad()
+    def take_center_shift_(self) -> bool:
+        """Every learner moves by what z moved since :meth:`note_center_for_shifts`, ``w_j <- w_j + (z - z_noted)``:
+        a change that a hook or callback made to the weights between two averagings (``averaging_period > 1``,
+        where the learners do not restart from z), which the next averaging, measuring ``d_j = w_j - z``, would
+        otherwise undo by the outer learning rate. Compared by value (a write through a parameter, whose ``.data``
+        is a view of z, does not reach z's version counter); notes z again; returns whether it had moved."""
+        noted = getattr(self, "_center_at_averaging", None)
+        if noted is None or len(noted) != len(self.buckets):  # (none noted: a resume between two averagings)
+            self.note_center_for_shifts()
+            return False
+        moved = False
+        for bucket, before in zip(self.buckets, noted):
+            if not torch.equal(bucket.center, before):
+                bucket.replicas.add_(bucket.center - before)
+                before.copy_(bucket.center)
+                moved = True
+        return moved
+
     def note_center_params(self) -> None:
         """Notes z's parameters with replicas as they are now (a copy, until :meth:`take_center_param_changes_`)."""
         self._center_seen: Optional[list[Tensor]] = [bucket.center.clone() for bucket in self.buckets]

@@ -961,6 +961,10 @@ class CrossbowStrategy(DDPStrategy):
             self.stack.rows_reached.clear()
             if self.averaging.learners_start_at_center and self.period.steps_since == 0:  # (after an averaging)
                 self.stack.reset_replicas_(module)
+                if self.period.period > 1:
+                    self.stack.note_center_for_shifts()
+            elif self.averaging.learners_start_at_center:  # between two averagings: a hook's change to z moves them
+                self.stack.take_center_shift_()
         forward_only = module.trainer.fit_loop._skip_backward  # (StochasticWeightAveraging's epoch for BatchNorm)
         engine = self.engine if not forward_only else self._forward_only_engine()
         with self.precision_plugin.train_step_context():

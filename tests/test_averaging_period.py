@@ -481,3 +481,40 @@ def test_on_one_process_gossips_z_is_the_learners_mean_after_every_step_between_
     assert len(seen) == 5
     for z, mean in seen:
         torch.testing.assert_close(z, mean)
+
+
+class _HalvesTheFirstLayerAfterStep(L.Callback):
+    """Halves the first layer's weights (z) after optimizer step ``step`` (a shrink-and-perturb, a re-initialisation
+    between two averagings)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.net[0].weight.mul_(0.5)
+
+
+def test_a_change_a_callback_makes_to_z_between_two_averagings_moves_every_learner() -> None:
+    """Scaled averaging, k=1, H=2, plain SGD: after step 1 (no averaging) a callback halves z's first layer, by
+    ``delta = z' - z``; the learner, still at its own weights, moves by ``delta`` and steps from there, and the
+    averaging at step 2 sets z to it. (The averaging measured ``d = w - z'`` from the halved z, so the halving was
+    undone: by the outer learning rate 1 here, reversed and amplified at 4.)"""
+    data = make_data(num_samples=16)
+    model = Classifier(optimizer="plain_sgd", lr=0.01)
+    net = copy.deepcopy(model.net)
+    strategy = CrossbowStrategy(replicas_per_device=1, averaging_period=2)
+    trainer(strategy=strategy, max_steps=2, callbacks=[_HalvesTheFirstLayerAfterStep(1)]).fit(model, loader(data))
+    batches = list(loader(data))
+    z_before = net[0].weight.detach().clone()
+    for index, (x, y) in enumerate(batches):  # the learner's two steps, the shift between them
+        net.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        with torch.no_grad():
+            for param in net.parameters():
+                param -= 0.01 * param.grad
+            if index == 0:
+                net[0].weight += 0.5 * z_before - z_before  # (z, where the learner started, halved)
+    for (name, param), expected in zip(model.net.named_parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, msg=name)
