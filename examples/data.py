@@ -36,13 +36,13 @@ class ArrayDataModule(L.LightningDataModule):
         if self._splits is not None:
             return
         x, y, x_test, y_test = self.arrays()
-        mean, std = x.mean(0), x.std(0) + 1e-8
-        tensors = lambda a, b: TensorDataset(  # noqa: E731
-            torch.as_tensor((a - mean) / std, dtype=torch.float32), torch.as_tensor(b, dtype=torch.long)
-        )
         order = np.random.default_rng(self.seed).permutation(len(x))
         n_val = int(len(x) * self.val_fraction)
         val, train = order[:n_val], order[n_val:]
+        mean, std = x[train].mean(0), x[train].std(0) + 1e-8  # (the training split's alone: no validation leaks in)
+        tensors = lambda a, b: TensorDataset(  # noqa: E731
+            torch.as_tensor((a - mean) / std, dtype=torch.float32), torch.as_tensor(b, dtype=torch.long)
+        )
         self._splits = {"train": tensors(x[train], y[train]), "val": tensors(x[val], y[val]), "test": tensors(x_test, y_test)}
 
     def train_dataloader(self) -> DataLoader:

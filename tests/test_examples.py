@@ -142,3 +142,17 @@ def test_the_sweep_table_holds_this_sweeps_jobs_only(tmp_path) -> None:
     table.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     rows = (tmp_path / "results.md").read_text().splitlines()[2:]
     assert [row.split(" | ")[0] for row in rows] == ["| job=0", "| job=1"]
+
+
+def test_the_data_is_standardised_with_the_training_splits_statistics_alone() -> None:
+    """Each feature of the training split has mean 0 and standard deviation 1; the validation split, held out,
+    does not enter them (it did: the mean and standard deviation were taken over both)."""
+    from examples.data import Digits
+
+    data = Digits(val_fraction=0.5, seed=0)
+    data.setup("fit")
+    train, val = data.train_dataloader().dataset.tensors[0], data.val_dataloader().dataset.tensors[0]
+    varying = train.std(0) > 0  # (features constant over the training split stay 0)
+    assert train.mean(0).abs().max() < 1e-5
+    assert (train.std(0, unbiased=False)[varying] - 1).abs().max() < 1e-4
+    assert val.mean(0).abs().max() > 1e-2  # (another sample: its own mean is not exactly 0)
