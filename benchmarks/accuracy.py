@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -74,15 +75,19 @@ WORKLOADS = {
 
 
 class WarmupClassifier(Classifier):
-    """The same classifier with a linear learning-rate warm-up over ``warmup_steps`` optimizer steps."""
+    """The same classifier with Goyal et al.'s linear learning-rate warm-up: from ``start`` times its lr (the
+    user's lr, before the linear scaling rule) up to its lr over ``warmup_steps`` optimizer steps, by a constant
+    amount each step, ``lr_t = lr (start + (1 - start) min(1, t / warmup_steps))``."""
 
-    def __init__(self, net: torch.nn.Module, warmup_steps: int, **kwargs: Any) -> None:
+    def __init__(self, net: torch.nn.Module, warmup_steps: int, start: float, **kwargs: Any) -> None:
         super().__init__(net, **kwargs)
-        self.warmup_steps = warmup_steps
+        self.warmup_steps, self.start = warmup_steps, start
 
     def configure_optimizers(self) -> Any:
         optimizer = super().configure_optimizers()
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / self.warmup_steps))
+        warmup = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: self.start + (1.0 - self.start) * min(1.0, step / self.warmup_steps)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
@@ -260,7 +265,7 @@ def train_to_target(
     steps_per_epoch = len(data.train_dataloader())
     if config.get("warmup_epochs"):
         model: Classifier = WarmupClassifier(
-            workload.net(), warmup_steps=config["warmup_epochs"] * steps_per_epoch, lr=lr
+            workload.net(), warmup_steps=config["warmup_epochs"] * steps_per_epoch, start=1.0 / config["lr"], lr=lr
         )
     else:
         model = Classifier(workload.net(), lr=lr)
@@ -286,8 +291,14 @@ def train_to_target(
 
 
 def _median(values: list[Optional[float]]) -> Optional[float]:
-    """Median where a run that never reached the target counts as infinitely slow (None if it is such a run)."""
-    return sorted(values, key=lambda v: float("inf") if v is None else v)[len(values) // 2]
+    """Median where a run that never reached the target counts as infinitely slow (None if it is such a run); of an
+    even number, the mean of the two middle ones (None if either is such a run)."""
+    ordered = sorted(values, key=lambda v: float("inf") if v is None else v)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    low, high = ordered[middle - 1], ordered[middle]
+    return None if low is None or high is None else (low + high) / 2
 
 
 def main() -> None:
@@ -297,10 +308,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, help="number of seeds (default 3, or 1 with --quick)")
     parser.add_argument("--configs", nargs="+", help="run only these configurations, keeping the others' results")
     args = parser.parse_args()
+    unknown = sorted(set(args.configs or ()) - set(configurations(args.quick)))
+    if unknown:
+        parser.error(f"unknown configuration(s) {unknown}; the configurations: {list(configurations(args.quick))}")
     seeds = list(range(args.seeds or (1 if args.quick else 3)))
     results: dict[str, Any] = {
         "machine": machine(),
-        "command": "python benchmarks/accuracy.py" + (" --quick" if args.quick else ""),
+        "command": "python " + " ".join(shlex.quote(arg) for arg in sys.argv),
         "scale": SCALE,
         "workloads": {},
     }

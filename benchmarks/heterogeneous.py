@@ -58,18 +58,30 @@ LR_FOLLOWS_BATCH = False  # --lr-follows-batch, passed on to every phase
 
 
 class Throttle(L.Callback):
-    """Makes this process a device ``slowdown`` times slower: after forward and backward, it sleeps
-    ``slowdown - 1`` times as long as they took."""
+    """Makes this process a device ``slowdown`` times slower: after forward and backward (the strategy's
+    ``backward``, wrapped), it sleeps ``slowdown - 1`` times as long as they took. (Not from a hook that runs
+    between backward and the optimizer step: one there tells crossbow that a callback reads gradients, and it
+    then forms their mean over the replicas on the throttled process alone, which slowed it further.)"""
 
     def __init__(self, slowdown: float) -> None:
         self.slowdown = slowdown
         self._started = 0.0
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        strategy, backward = trainer.strategy, trainer.strategy.backward
+
+        def throttled_backward(*args: Any, **kwargs: Any) -> Any:
+            result = backward(*args, **kwargs)
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - self._started))
+            return result
+
+        strategy.backward = throttled_backward  # type: ignore[method-assign]
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        vars(trainer.strategy).pop("backward", None)
+
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._started = time.perf_counter()
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any) -> None:
-        time.sleep((self.slowdown - 1.0) * (time.perf_counter() - self._started))
 
 
 class SplitRecorder(L.Callback):
