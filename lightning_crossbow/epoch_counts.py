@@ -286,10 +286,11 @@ class EpochCounts:
         """Before the first epoch of a resumed fit, Lightning's count of its steps, kept from the checkpoint (steps
         at the checkpoint's k), is made to agree with the steps at k now:
 
-        - from a step that ended its epoch (saved in ``on_train_batch_end``), the next epoch starts afresh, as in
-          plain Lightning: Lightning moves to it by the saved ``is_last_batch``, but starts its count afresh only if
-          the steps done reach an epoch's steps at k now (a larger k at the save, fewer steps, had it begin at that
-          step's index);
+        - from a step that ended its epoch (saved in ``on_train_batch_end``, or after it, in ``on_validation_end``),
+          the next epoch starts afresh, as in plain Lightning: Lightning moves to it by the saved ``is_last_batch``,
+          but starts its count afresh only if the steps done reach an epoch's steps at k now (a larger k at the
+          save, fewer steps, had it begin at that step's index; after validation, it trained the ended epoch's
+          first batches again);
         - from the middle of an epoch whose loader counts on (:attr:`ReplicaBatchLoader.resumed_mid_pass`), the epoch
           has the steps done and those the batches left make at k now: Lightning would otherwise start the epoch's
           count again where the steps done reach its steps at k now, and mark no step the last, nor validate after
@@ -302,6 +303,12 @@ class EpochCounts:
             if progress.current.completed + 1 < steps:  # (Lightning completes the saved step when the epoch starts)
                 progress.current.ready = progress.current.started = progress.current.processed = int(steps)
                 progress.current.completed = int(steps) - 1
+        elif getattr(epoch_loop, "restarted_on_last", False) and progress.is_last_batch:
+            # Saved after the epoch's last step ended (in on_validation_end, say): Lightning takes the epoch for
+            # done only where the steps done make an epoch at k now (its check of validation counts them).
+            if progress.current.completed != steps:
+                progress.current.ready = progress.current.started = int(steps)
+                progress.current.processed = progress.current.completed = int(steps)
         elif self.resumed_mid_pass():  # (and the epochs after it are counted again as they start)
             self.fit_epoch_length(trainer, k)
 

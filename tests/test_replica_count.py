@@ -1254,3 +1254,38 @@ def test_the_progress_bar_shows_the_epochs_steps_after_a_change_of_k_within_it(b
     fit.fit(Classifier(), loader(make_data(num_samples=8 * 20)))
     assert change.group_sizes == [1, 1, 4, 4, 4, 4]
     assert shown.at_end == (6, 6)
+
+
+def test_a_checkpoint_saved_after_an_epochs_last_validation_at_a_changed_k_resumes_at_the_next_epoch(
+    tmp_path: Path,
+) -> None:
+    """24 batches, k=4 changed to 2 after step 2 (10 steps in epoch 0); validating twice an epoch, ModelCheckpoint
+    saves in on_validation_end, the epoch's last at step 10. Resumed from it with the strategy made alike, epoch 1
+    is whole (12 steps at k=2) and z ends bitwise as the run that went on (Lightning, counting 10 steps done of the
+    12 an epoch has at k=2, trained epoch 0's first batches again: 2 more steps, an LR step more)."""
+
+    def run(ckpt_path: Optional[Path] = None) -> tuple[L.Trainer, BatchesSeen]:
+        seen = BatchesSeen()
+        callbacks: list[L.Callback] = [seen]
+        if ckpt_path is None:
+            saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1)
+            callbacks += [ChangeReplicasAtBatch(at_step=1, new_k=2), saves]
+        fit = trainer(
+            strategy=CrossbowStrategy(replicas_per_device=4),
+            callbacks=callbacks,
+            max_epochs=2,
+            val_check_interval=0.5,
+            limit_val_batches=1,
+            enable_checkpointing=ckpt_path is None,
+        )
+        data = make_data(num_samples=96)
+        fit.fit(Classifier(scheduler="step"), loader(data, batch_size=4), loader(data), ckpt_path=ckpt_path)
+        return fit, seen
+
+    went_on, _ = run()
+    assert (tmp_path / "step=10.ckpt").exists()
+    resumed, seen = run(ckpt_path=tmp_path / "step=10.ckpt")
+    assert list(seen.epochs) == [1] and len(seen.epochs[1]) == 24
+    assert resumed.global_step == went_on.global_step == 22
+    for a, b in zip(went_on.lightning_module.parameters(), resumed.lightning_module.parameters(), strict=True):
+        assert torch.equal(a, b)
