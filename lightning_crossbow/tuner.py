@@ -199,6 +199,7 @@ class ReplicaAutoTuner(Callback):
         self._window_restored = False  # whether that window came from a checkpoint (it then counts on)
         #: The k the tuner last changed from, while steps still run at it (a group fetched before the change).
         self._changing_from: Optional[int] = None
+        self._changing_to: Optional[int] = None  #: the k asked for while ``_changing_from``
         self._windows_before_fit = self._step_at_fit_start = 0  # (set at each fit's start)
         #: "progress": where the A-B-A is ("before", "trial", "after"; see ``_decide_progress``).
         self._phase: Literal["before", "trial", "after"] = "before"
@@ -281,7 +282,9 @@ class ReplicaAutoTuner(Callback):
         averaged, after_averaging = _just_averaged(strategy), self._after_averaging
         self._after_averaging = averaged
         if self._changing_from is not None:
-            if strategy.tuned_replicas_per_device == self._changing_from:
+            ceiling = strategy.replica_ceiling  # (below the k asked for: it ran out of memory and came back)
+            backed_off = ceiling is not None and self._changing_to is not None and ceiling < self._changing_to
+            if strategy.tuned_replicas_per_device == self._changing_from and not backed_off:
                 return  # a group fetched at the old k before the change (a loader without a length): not the new k's
             self._changing_from = None
         self._steps_since_change += 1
@@ -331,6 +334,7 @@ class ReplicaAutoTuner(Callback):
         """Asks the strategy for ``new_k``; steps that still run at ``k`` (groups fetched before) are not measured."""
         strategy.set_replicas_per_device(new_k)
         self._changing_from = k if strategy.tuned_replicas_per_device == k else None
+        self._changing_to = new_k
 
     def _what_bounds(self, k: int, strategy: Any) -> str:
         """Why k is at most ``k``: the first of the bounds of :meth:`_ceiling` that holds it there."""
@@ -598,6 +602,7 @@ class ReplicaAutoTuner(Callback):
                 "losses": [list(run) for run in self._window_losses],
                 "replicas": self._window_replicas,
             },
+            "changing": [self._changing_from, self._changing_to],  # (a change asked for, not yet in force)
         }
 
     @override
@@ -618,6 +623,7 @@ class ReplicaAutoTuner(Callback):
             self._window_samples, self._window_seconds = window["samples"], window["seconds"]
             self._window_losses = [[tuple(point) for point in run] for run in window["losses"]]
             self._window_replicas = window["replicas"]
+        self._changing_from, self._changing_to = state_dict.get("changing", (None, None))
 
 
 def _just_averaged(strategy: Any) -> bool:

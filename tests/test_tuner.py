@@ -903,3 +903,25 @@ def test_a_fast_dev_run_leaves_k_and_writes_no_plot(tmp_path, monkeypatch: pytes
         ks[dry] = (strategy.replicas_per_device, len(tuner.history), sorted(p.name for p in tmp_path.rglob("*.png")))
     assert ks[False][0] > 1 and ks[False][1] > 0 and ks[False][2] == ["replica_tuning.png"]
     assert ks[True] == (1, 0, ["replica_tuning.png"])  # (the first run's plot alone)
+
+
+class _OnlyTwoReplicasFit(Classifier):
+    """Runs out of memory (simulated on the CPU) with more than two replicas."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.strategy.stack.num_replicas > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_tuner_goes_on_measuring_after_a_back_off_undoes_its_climb(tmp_path) -> None:
+    """Its climb asks for k=3, which runs out of memory: the strategy backs off to 2. The tuner goes on measuring
+    windows at 2, where k=3 no longer fits (it waited for its change from 2 for good: two windows in 100 steps)."""
+    clock = FakeClock()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "crossbow: out of memory")
+        tuner, fit = tuned_fit(tmp_path, max_steps=100, clock=clock, model=_OnlyTwoReplicasFit(), recheck_every=2)
+    assert fit.strategy.replica_ceiling == 2
+    assert [record.replicas_per_device for record in tuner.history[:2]] == [1, 2]
+    assert len(tuner.history) >= 6
+    assert {record.replicas_per_device for record in tuner.history[2:]} == {2}
