@@ -216,6 +216,7 @@ _OWN_ATTRIBUTES = frozenset(
         "batch_limit",
         "_unfilled_warned",
         "_a_pass_ended",
+        "_pass_over",
         "num_replicas",
         "groups_yielded",
         "batches_taken",
@@ -288,6 +289,7 @@ class ReplicaBatchLoader:
         self.batch_limit: Optional[int] = None
         self._unfilled_warned = False
         self._a_pass_ended = False  # (a pass's groups all made: its loader's length is known from then on)
+        self._pass_over = False  # (this pass's groups all made: a batch given back now opens no other group)
 
     def __iter__(self) -> Iterator[ReplicaGroup]:
         """Each group takes ``num_replicas`` batches as set when the group is made: k may change mid-pass.
@@ -308,6 +310,7 @@ class ReplicaBatchLoader:
         self.groups_yielded, self.batches_taken = counts or (0, 0)
         self.resumed_mid_pass, self._ends_when_counted = counts is not None, restarted
         self._returned, self._drawn = [], self.batches_taken
+        self._pass_over = False
 
     def _groups(self, batches: Iterator[Any]) -> Iterator[ReplicaGroup]:
         """The pass's groups, drawn from ``batches`` (see :meth:`__iter__`)."""
@@ -337,6 +340,7 @@ class ReplicaBatchLoader:
                         f"crossbow: a pass of the training DataLoader ended with {len(group)} batch(es) that do not"
                         f" fill a step of {size}; they are skipped, at the end of every pass."
                     )
+                self._pass_over = True
                 return
             self.groups_yielded += 1
             self.last_group_batches = len(group)
@@ -374,10 +378,18 @@ class ReplicaBatchLoader:
         return self.num_replicas
 
     def give_back(self, batches: list[Any]) -> None:
-        """Returns batches of a group that could not run: the next group starts with them, in order."""
+        """Returns batches of a group that could not run: the next group starts with them, in order. Where the pass
+        has made its last group already (a loader without a length, whose end Lightning saw by fetching ahead),
+        there is no next group in it: a warning says that they are skipped."""
         self._returned = list(batches) + self._returned
         self.batches_taken -= len(batches)
         self.last_group_batches -= len(batches)
+        if self._pass_over and batches:
+            rank_zero_warn(
+                f"crossbow: {len(batches)} batch(es) of the pass's last step, given back by the out-of-memory back-off,"
+                " open no other step: the training DataLoader (without a length) had ended its pass. They are"
+                " skipped in this epoch."
+            )
 
     def groups_in_pass(self) -> int:
         """Groups of the current pass: those already made, and those the rest of the loader fills at k now."""

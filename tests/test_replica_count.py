@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch import Tensor, nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
 from tests.helpers import (
@@ -1289,3 +1289,43 @@ def test_a_checkpoint_saved_after_an_epochs_last_validation_at_a_changed_k_resum
     assert resumed.global_step == went_on.global_step == 22
     for a, b in zip(went_on.lightning_module.parameters(), resumed.lightning_module.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+class _SixBatches(IterableDataset):
+    """6 batches of 4 samples without a length; each target holds its batch's index."""
+
+    def __iter__(self) -> Any:
+        for index in range(6):
+            yield torch.randn(4, 6), torch.full((4,), index)
+
+
+class _OneReplicaFitsFromStep2(Classifier):
+    """Runs out of memory (simulated) in the backward from step 2 on with more than one replica; keeps the batches
+    trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained: list[int] = []
+        self.attempt: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        self.attempt.append(int(y[0]))
+        return nn.functional.cross_entropy(self(x), y % 3)
+
+    def on_after_backward(self) -> None:
+        attempt, self.attempt = self.attempt, []
+        if self.trainer.global_step >= 2 and self.trainer.strategy.stack.num_replicas > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        self.trained += attempt
+
+
+def test_a_back_off_at_the_last_step_of_a_loader_without_a_length_says_that_the_batch_given_back_is_skipped() -> None:
+    """6 batches at k=2: the last step (batches 4, 5) runs out of memory and runs again with batch 4 alone. Lightning
+    has fetched past the pass's end already, so batch 5 opens no other step: a warning says it is skipped (it was
+    skipped without a word)."""
+    model = _OneReplicaFitsFromStep2()
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2, engine="sequential"), max_epochs=1)
+    with pytest.warns(UserWarning, match=r"1 batch\(es\) of the pass's last step, given back by the out-of-memory"):
+        fit.fit(model, DataLoader(_SixBatches(), batch_size=None))
+    assert model.trained == [0, 1, 2, 3, 4]
