@@ -441,20 +441,24 @@ class ReplicaStack:
     def sync_center_buffers_(self, all_reduce_mean: Optional[BufferReducer] = None) -> None:
         """z's buffers <- the mean over all replicas: one mean over the replicas of every buffer of a dtype flattened
         together, and across processes one ``all_reduce_mean`` of it. Integer and boolean buffers (BatchNorm's
-        ``num_batches_tracked``) are averaged in float64 and rounded to the nearest integer (half to even), so that
-        every process's z holds the same count; other buffers (complex) take replica 0's. A buffer of z that
-        changed since it was last written (:meth:`take_center_buffer_changes_`) is first taken by every replica: its
-        mean is then that value."""
+        ``num_batches_tracked``) take the mean rounded to the nearest integer (half to even), so that every
+        process's z holds the same count: on one process exactly, as replica 0's value plus the rounded mean of the
+        others' differences from it (a value beyond float64's 2^53, a seed or a packed id, stays as it is); across
+        processes averaged in float64 (exact below 2^53). Other buffers (complex) take replica 0's. A buffer of z
+        that changed since it was last written (:meth:`take_center_buffer_changes_`) is first taken by every
+        replica: its mean is then that value."""
         self.take_center_buffer_changes_()
         averaged: dict[torch.dtype, list[str]] = {}
         others: list[str] = []
         for name, stack in self.buffers.items():
             if stack.is_floating_point():
                 averaged.setdefault(stack.dtype, []).append(name)
-            elif not stack.is_complex():
-                averaged.setdefault(torch.float64, []).append(name)
-            else:
+            elif stack.is_complex():
                 others.append(name)
+            elif all_reduce_mean is None:
+                self._take_integer_mean(name)
+            else:
+                averaged.setdefault(torch.float64, []).append(name)
         if others:
             torch._foreach_copy_([self._center_buffer(n) for n in others], [self.buffers[n][0] for n in others])
         for dtype, names in averaged.items():
@@ -471,6 +475,16 @@ class ReplicaStack:
                 ],
             )
         self.note_center_buffers()
+
+    def _take_integer_mean(self, name: str) -> None:
+        """z's integer buffer ``name`` <- its replicas' mean, rounded, exactly: replica 0's value plus the rounded mean
+        of the differences from it (in float64: exact while the replicas differ by less than 2^53)."""
+        target = self._center_buffer(name)
+        if target is None:
+            return
+        rows = self.buffers[name].long()
+        base = rows[0]
+        target.copy_(base + (rows - base).double().mean(0).round().long())
 
     @torch.no_grad()
     def resize_(self, num_replicas: int) -> None:

@@ -1065,6 +1065,30 @@ def test_integer_buffers_of_z_are_the_rounded_mean_over_every_replica_of_every_p
     assert int(modules["a"].num_batches_tracked) == int(modules["b"].num_batches_tracked)
 
 
+class _WithASeed(Classifier):
+    """Holds an int64 buffer beyond float64's 2^53 (a hash seed, a packed id), and a step counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seed", torch.tensor([2**62 + 12345, -(2**62) + 7]))
+        self.register_buffer("steps", torch.tensor(0))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_integer_buffers_on_one_process_are_kept_exactly(k: int) -> None:
+    """A seed beyond 2^53 stays bitwise what it was (averaged in float64 it lost its last digits); the step counter,
+    the same in every replica, counts the steps."""
+    model = _WithASeed()
+    seed = model.seed.clone()
+    trainer(strategy=CrossbowStrategy(replicas_per_device=k), max_steps=2).fit(model, loader(make_data()))
+    assert torch.equal(model.seed, seed)
+    assert int(model.steps) == 2
+
+
 class _AutocastProbe(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.autocast_seen = torch.is_autocast_enabled("cpu")
