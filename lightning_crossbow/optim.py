@@ -226,30 +226,35 @@ def take_central_settings_(optimizer: Optimizer, central: Mapping[str, Any]) -> 
 
 def checkpoint_marks(checkpoint: Mapping[str, Any]) -> dict[tuple[Any, ...], Any]:
     """What each entry of a checkpoint as loaded holds, in its ``state_dict`` and its first optimizer's ``state``: a
-    tensor and its version counter (an edit in place bumps it; a new tensor is another object), any other value
-    itself; and which parameters had optimizer state. :func:`edited` compares an entry with its mark once the hooks
-    that may edit the checkpoint (``on_load_checkpoint``) have run; nothing is compared value by value."""
+    copy of each tensor, any other value itself; which parameters had optimizer state; and whether it held optimizer
+    states at all. :func:`edited` compares an entry with its mark, by value, once the hooks that may edit the
+    checkpoint (``on_load_checkpoint``) have run: an edit in place (through ``.data`` too) or a new value is seen, a
+    new tensor equal to the old is not. (The copies cost one more of those tensors, until the restore.)"""
     marks: dict[tuple[Any, ...], Any] = {
         ("state_dict", name): _mark(value) for name, value in (checkpoint.get("state_dict") or {}).items()
     }
     optimizer_states = checkpoint.get("optimizer_states") or []
+    marks[("optimizer_states",)] = len(optimizer_states)
     for index, entries in (optimizer_states[0].get("state", {}) if optimizer_states else {}).items():
         marks[("optimizer", index)] = True
         marks.update({("optimizer", index, key): _mark(value) for key, value in entries.items()})
     return marks
 
 
-def _mark(value: Any) -> tuple[Any, Optional[int]]:
-    return (value, value._version) if isinstance(value, Tensor) else (value, None)
+def _mark(value: Any) -> tuple[Any, bool]:
+    return (value.detach().clone(), True) if isinstance(value, Tensor) else (value, False)
 
 
-def edited(mark: Optional[tuple[Any, Optional[int]]], value: Any) -> bool:
+def edited(mark: Optional[tuple[Any, bool]], value: Any) -> bool:
     """Whether ``value`` differs from what its :func:`checkpoint_marks` mark noted (no mark: a new entry)."""
     if mark is None:
         return True
-    if isinstance(value, Tensor):
-        return value is not mark[0] or value._version != mark[1]
-    return isinstance(mark[0], Tensor) or value != mark[0]
+    noted, was_tensor = mark
+    if isinstance(value, Tensor) != was_tensor:
+        return True
+    if not was_tensor:
+        return bool(value != noted)
+    return value.shape != noted.shape or value.dtype != noted.dtype or not torch.equal(value.to(noted.device), noted)
 
 
 @torch.no_grad()

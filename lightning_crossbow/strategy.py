@@ -963,8 +963,8 @@ class CrossbowStrategy(DDPStrategy):
                 self.stack.reset_replicas_(module)
                 if self.period.period > 1:
                     self.stack.note_center_for_shifts()
-            elif self.averaging.learners_start_at_center:  # between two averagings: a hook's change to z moves them
-                self.stack.take_center_shift_()
+            else:  # between two averagings: a hook's change to z moves them
+                self._take_center_shift()
         forward_only = module.trainer.fit_loop._skip_backward  # (StochasticWeightAveraging's epoch for BatchNorm)
         engine = self.engine if not forward_only else self._forward_only_engine()
         with self.precision_plugin.train_step_context():
@@ -1330,9 +1330,17 @@ class CrossbowStrategy(DDPStrategy):
         local step of its own). Those steps' batches were full (only an epoch's last, which averages, may be short)."""
         if self.stack is None or self.period.steps_since == 0:
             return
+        self._take_center_shift()
         with torch.no_grad():
             self.averaging.before_local_step(self.stack.buckets, self.num_learners)
         self._average_then_restart(self.optimizers[0], None, self.period.skipped_throughout, pending=True)
+
+    def _take_center_shift(self) -> None:
+        """Between two averagings, under a rule whose learners start each period at z: a change a hook made to z
+        since the last averaging moves every learner (:meth:`ReplicaStack.take_center_shift_`), before the next
+        step, an averaging of the steps pending, or a checkpoint of the learners."""
+        if self.stack is not None and self.averaging.learners_start_at_center and self.period.steps_since > 0:
+            self.stack.take_center_shift_()
 
     def _average_then_restart(
         self, optimizer: Optimizer, diverged: Optional[Tensor], skipped: Optional[Tensor], pending: bool = False
@@ -1811,7 +1819,7 @@ class CrossbowStrategy(DDPStrategy):
         refused: each process runs its own number of replicas a step, one after another where the step does not
         run fused, so their collectives would not pair up across processes and every process would wait for the
         others for good. (In uniform mode replica j of every process meets replica j of the others.)"""
-        if self._running_replica_steps and self.routing is not None:
+        if self._running_replica_steps and self.routing is not None and self.world_size > 1:
             raise RuntimeError(
                 f"crossbow: training_step called the strategy's {name} (self.{name}, say) under heterogeneous=True,"
                 " where each process runs its own number of replicas a step (the split follows the measured speeds):"
@@ -1877,6 +1885,7 @@ class CrossbowStrategy(DDPStrategy):
 
     def _strategy_state(self) -> dict[str, Any]:
         assert self.stack is not None
+        self._take_center_shift()  # (the learners saved hold a hook's change to z since the last averaging)
         if self.averaging.learners_start_at_center and not self._gradients_pending and self.period.steps_since == 0:
             self.stack.reset_replicas_(self.lightning_module)  # where the next step puts them anyway
         local: dict[str, Any] = {
@@ -2030,7 +2039,11 @@ class CrossbowStrategy(DDPStrategy):
             )
         if same_layout:
             rank_state = state["ranks"][self.global_rank]
-            optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
+            marks = self._checkpoint_marks or {}
+            if saved_optimizer is None and marks.get(("optimizer_states",)):
+                pass  # (a hook emptied optimizer_states: the optimizer starts afresh, as in plain Lightning)
+            else:
+                optimizer.load_state_dict(rank_state.get("optimizer", saved_optimizer))
             if saved_optimizer is not None and "optimizer" in rank_state:
                 take_central_settings_(optimizer, saved_optimizer)
             self.stack.load_state_dict(rank_state["stack"])
@@ -2207,8 +2220,9 @@ class CrossbowStrategy(DDPStrategy):
     def _keep_final_state(self) -> None:
         """Keeps the replicas' state for a checkpoint saved after fit, and the module's state it belongs to."""
         self._final_state = self._strategy_state() if self.stack is not None else None
+        state_dict = self.lightning_module.state_dict()  # (extra state that is no tensor is left out)
         self._center_after_fit = {
-            name: value.detach().clone() for name, value in self.lightning_module.state_dict().items()
+            name: _cpu_copy(value) for name, value in state_dict.items() if isinstance(value, Tensor)
         }
 
     def _with_center_changed_since_fit(self, state: dict[str, Any], checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -2220,7 +2234,7 @@ class CrossbowStrategy(DDPStrategy):
         changed = [
             name
             for name, value in (checkpoint.get("state_dict") or {}).items()
-            if name in kept and not torch.equal(value.to(kept[name].device), kept[name])
+            if name in kept and isinstance(value, Tensor) and not torch.equal(value.to(kept[name].device), kept[name])
         ]
         return {**state, "center_changed": changed} if changed else state
 

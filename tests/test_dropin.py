@@ -1051,8 +1051,13 @@ class _EditsOnLoad(Classifier):
         elif self.edit == "momentum":
             for entries in optimizer_state.values():
                 entries["momentum_buffer"].zero_()
+        elif self.edit == "momentum through .data":  # (no version counter sees it)
+            for entries in optimizer_state.values():
+                entries["momentum_buffer"].data.zero_()
         elif self.edit == "state dropped":
             del optimizer_state[0]
+        elif self.edit == "optimizer reset":
+            checkpoint["optimizer_states"] = []
 
 
 class _StackAtTrainStart(L.Callback):
@@ -1082,7 +1087,9 @@ def _resume_sma_seeing_the_stack(model: L.LightningModule, checkpoint: Path, sav
     return seen
 
 
-@pytest.mark.parametrize("edit", ["head", "batch norm", "momentum", "state dropped"])
+@pytest.mark.parametrize(
+    "edit", ["head", "batch norm", "momentum", "momentum through .data", "state dropped", "optimizer reset"]
+)
 def test_what_on_load_checkpoint_edits_is_what_a_resume_trains_from(tmp_path: Path, edit: str) -> None:
     """At k=1 two resumed steps are bitwise plain Lightning's; at k=2 under ``sma`` (whose replicas differ from z)
     every replica starts from the edited entries. Crossbow's own copies of the replicas and their optimizer state,
@@ -1110,8 +1117,10 @@ def test_what_on_load_checkpoint_edits_is_what_a_resume_trains_from(tmp_path: Pa
         assert torch.equal(seen.head, torch.zeros(2, 3, 8))
     if edit == "batch norm":
         assert torch.equal(seen.running_mean, torch.zeros(2, 8))
-    if edit == "momentum":
+    if edit.startswith("momentum"):
         assert all(not state["momentum_buffer"].any() for state in seen.state)
+    if edit == "optimizer reset":
+        assert seen.state == [{}] * len(seen.state)
     if edit == "state dropped":
         assert seen.state[0] == {} and all(state for state in seen.state[1:])
 
@@ -1130,6 +1139,28 @@ def test_weights_set_after_fit_are_what_a_checkpoint_saved_then_resumes_from(tmp
     seen = _resume_sma_seeing_the_stack(_EditsOnLoad(), tmp_path / "best.ckpt", fit.global_step)
     assert torch.equal(seen.head, best["net.3.weight"].expand(2, 3, 8))
     assert torch.equal(seen.running_mean, best["net.1.running_mean"].expand(2, 8))
+
+
+class _LinearWithExtraState(nn.Linear):
+    """A layer whose extra state is no tensor (a quantization recipe, say)."""
+
+    def get_extra_state(self) -> Any:
+        return {"scale": 2.0, "recipe": "fp8"}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.recipe = state
+
+
+def test_a_module_with_extra_state_that_is_no_tensor_fits_and_saves_after_fit(tmp_path: Path) -> None:
+    """The module's state_dict holds a dict beside the tensors: fit ends, and a checkpoint saved after it loads, as in
+    plain Lightning (keeping the module's state at fit's end took every entry for a tensor)."""
+    model = Classifier()
+    model.net[2] = _LinearWithExtraState(8, 3)
+    fit = trainer(strategy=CrossbowStrategy(replicas_per_device=2), max_epochs=1)
+    fit.fit(model, loader(make_data(64)))
+    fit.save_checkpoint(tmp_path / "after.ckpt")
+    state_dict = torch.load(tmp_path / "after.ckpt", weights_only=False)["state_dict"]
+    assert state_dict["net.2._extra_state"] == {"scale": 2.0, "recipe": "fp8"}
 
 
 def test_a_weights_only_checkpoint_holds_no_crossbow_state(tmp_path: Path) -> None:

@@ -1109,6 +1109,23 @@ def test_a_collective_in_training_step_is_refused_on_every_rank(tmp_path: Path) 
     assert not list(tmp_path.glob("rank*.pt"))  # no rank trained
 
 
+class _GathersInStep(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        gathered = self.all_gather(batch[0])
+        return super().training_step(batch, batch_idx) + 0.0 * gathered.sum()
+
+
+def test_a_collective_in_training_step_on_one_process_trains_as_in_uniform_mode() -> None:
+    """On one process nothing is left to pair up: heterogeneous mode computes what the uniform path computes."""
+    ends = []
+    for heterogeneous in (False, True):
+        model = _GathersInStep()
+        strategy = CrossbowStrategy(replicas_per_device=2, heterogeneous=heterogeneous, engine="sequential")
+        trainer(strategy=strategy, max_epochs=1).fit(model, loader(make_data(num_samples=64)))
+        ends.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*ends, strict=True))
+
+
 def test_speed_balancer_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="every must be a positive int"):
         SpeedBalancer(every=0)
