@@ -1237,7 +1237,8 @@ class CrossbowStrategy(DDPStrategy):
             return
         once = {"on_step": True, "on_epoch": False, "batch_size": 1}
         with self._logging_as_training_step(step_metrics=True) as module:
-            metrics = {"crossbow/replicas_per_device": float(self.replicas_per_device)}
+            # (in heterogeneous mode the mean over ranks, which every rank logs alike; samples/s is this rank's)
+            metrics = {"crossbow/replicas_per_device": float(self.tuned_replicas_per_device)}
             if self.samples_per_second is not None:
                 metrics["crossbow/samples_per_sec"] = self.samples_per_second
             module.log_dict(metrics, prog_bar=True, **once)
