@@ -508,17 +508,17 @@ class FusedOrSequentialEngine(Engine):
         if self.active is self.sequential:
             return self.sequential.run(stack, batches, args, capture)
         self._buffers.take(stack)
-        saved_metrics = {metric: metric_state(metric) for metric in self.fused.metrics}
+        saved_metrics = MetricSnapshots(self.fused.metrics)
         random_state = RandomState(_device_of(stack))
 
         def undo(stack: ReplicaStack) -> None:
             self._buffers.restore_(stack)
-            for metric, state in saved_metrics.items():
-                vars(metric).update(state)
+            saved_metrics.restore()
             random_state.restore()
 
         try:
-            output = self.fused.run(stack, batches, args, capture)
+            with saved_metrics.taken_at_first_use():
+                output = self.fused.run(stack, batches, args, capture)
         except Exception as error:  # noqa: BLE001 - any failure under vmap means: run it sequentially
             undo(stack)
             capture.clear()
@@ -593,11 +593,55 @@ def keep_replaced_buffers(stack: ReplicaStack, replaced: Mapping[str, Any]) -> N
         stack.buffers[name] = rows.detach().to(old.dtype).reshape(old.shape).clone()
 
 
+class MetricSnapshots:
+    """The state of each torchmetrics metric that a fused attempt uses (:func:`metric_state`), taken as its first
+    ``update`` or ``forward`` of the attempt starts; :meth:`restore` gives it back. A metric the attempt does not use
+    (a validation metric, during a training step) costs nothing."""
+
+    _ENTRIES = ("update", "forward")
+
+    def __init__(self, metrics: Iterable[nn.Module]) -> None:
+        self.metrics = list(metrics)
+        self.saved: dict[nn.Module, dict[str, Any]] = {}
+
+    @contextmanager
+    def taken_at_first_use(self) -> Iterator[None]:
+        """While open, each metric's ``update`` and ``forward`` first take its snapshot (torchmetrics' own wrapped
+        ``update``, an instance attribute, is put back as it was)."""
+        own = [{name: vars(metric).get(name) for name in self._ENTRIES} for metric in self.metrics]
+        for metric in self.metrics:
+            for name in self._ENTRIES:
+                vars(metric)[name] = self._first_takes_a_snapshot(metric, getattr(metric, name))
+        try:
+            yield
+        finally:
+            for metric, entries in zip(self.metrics, own, strict=True):
+                for name, entry in entries.items():
+                    if entry is None:
+                        vars(metric).pop(name, None)
+                    else:
+                        vars(metric)[name] = entry
+
+    def _first_takes_a_snapshot(self, metric: nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
+        def snapshot_then_call(*args: Any, **kwargs: Any) -> Any:
+            if metric not in self.saved:
+                self.saved[metric] = metric_state(metric)
+            return call(*args, **kwargs)
+
+        return snapshot_then_call
+
+    def restore(self) -> None:
+        """Gives each metric used its state from before the attempt."""
+        for metric, state in self.saved.items():
+            vars(metric).update(state)
+
+
 def metric_state(metric: nn.Module) -> dict[str, Any]:
-    """A torchmetrics ``Metric``'s attributes as they are, its states (``add_state``'s, named in ``_defaults``) by
-    value: an update under ``vmap`` may change a state tensor in place (``SumMetric``'s sum), which a copy of the
-    attributes alone would then hold changed. A list state is copied (its tensors are appended, not changed)."""
-    saved = dict(vars(metric))
+    """A torchmetrics ``Metric``'s attributes as they are (but the ``update`` and ``forward`` that
+    :class:`MetricSnapshots` puts in), its states (``add_state``'s, named in ``_defaults``) by value: an update under
+    ``vmap`` may change a state tensor in place (``SumMetric``'s sum), which a copy of the attributes alone would then
+    hold changed. A list state is copied (its tensors are appended, not changed)."""
+    saved = {name: value for name, value in vars(metric).items() if name not in MetricSnapshots._ENTRIES}
     for name in getattr(metric, "_defaults", {}):
         value = saved.get(name)
         if isinstance(value, Tensor):

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lightning_crossbow import CrossbowStrategy
 from lightning_crossbow.data import ReplicaBatchLoader, ReplicaGroup
-from lightning_crossbow.engines import FusedEngine, NotFusableError, SequentialEngine, _stack_batches
+from lightning_crossbow.engines import FusedEngine, MetricSnapshots, NotFusableError, SequentialEngine, _stack_batches
 from lightning_crossbow.log_capture import LogCapture
 from lightning_crossbow.optim import clip_grad_norm_per_replica_
 from lightning_crossbow.replicas import ReplicaStack
@@ -720,6 +720,23 @@ def test_a_metric_state_changed_in_place_by_the_failed_fused_attempt_is_given_ba
             fit.fit(_CountsThenFallsBack(), loader(make_data(num_samples=64)))
         counted[engine] = float(fit.callback_metrics["samples"])
     assert counted == {"auto": 64.0, "sequential": 64.0}
+
+
+def test_a_metric_the_fused_attempt_does_not_use_is_not_copied_and_one_it_uses_is_given_back() -> None:
+    """The fallback's snapshot of a metric is taken at its first update or forward within the attempt: a metric
+    used in validation alone (a large confusion matrix, say) costs nothing at a training step."""
+    used, unused = torchmetrics.SumMetric(), torchmetrics.SumMetric()
+    used.update(torch.tensor(1.0))
+    own_update = vars(used)["update"]  # (torchmetrics' wrapped update, an instance attribute)
+    snapshots = MetricSnapshots([used, unused])
+    with snapshots.taken_at_first_use():
+        used.update(torch.tensor(5.0))
+        used(torch.tensor(2.0))
+    assert list(snapshots.saved) == [used]
+    assert vars(used)["update"] is own_update and "forward" not in vars(used)
+    assert float(used.compute()) == 8.0
+    snapshots.restore()
+    assert float(used.compute()) == 1.0
 
 
 class _StepMetric(Classifier):
