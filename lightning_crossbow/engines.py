@@ -602,7 +602,8 @@ class MetricSnapshots:
 
     def __init__(self, metrics: Iterable[nn.Module]) -> None:
         self.metrics = list(metrics)
-        self.saved: dict[nn.Module, dict[str, Any]] = {}
+        #: by the metric's id (a torchmetrics metric hashes by its state, which the attempt changes): it and its state
+        self.saved: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
 
     @contextmanager
     def taken_at_first_use(self) -> Iterator[None]:
@@ -624,15 +625,15 @@ class MetricSnapshots:
 
     def _first_takes_a_snapshot(self, metric: nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
         def snapshot_then_call(*args: Any, **kwargs: Any) -> Any:
-            if metric not in self.saved:
-                self.saved[metric] = metric_state(metric)
+            if id(metric) not in self.saved:
+                self.saved[id(metric)] = (metric, metric_state(metric))
             return call(*args, **kwargs)
 
         return snapshot_then_call
 
     def restore(self) -> None:
         """Gives each metric used its state from before the attempt."""
-        for metric, state in self.saved.items():
+        for metric, state in self.saved.values():
             vars(metric).update(state)
 
 
