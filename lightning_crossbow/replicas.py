@@ -450,15 +450,18 @@ class ReplicaStack:
         self.take_center_buffer_changes_()
         averaged: dict[torch.dtype, list[str]] = {}
         others: list[str] = []
+        integers: list[str] = []
         for name, stack in self.buffers.items():
             if stack.is_floating_point():
                 averaged.setdefault(stack.dtype, []).append(name)
             elif stack.is_complex():
                 others.append(name)
             elif all_reduce_mean is None:
-                self._take_integer_mean(name)
+                integers.append(name)
             else:
                 averaged.setdefault(torch.float64, []).append(name)
+        if integers:
+            self._take_integer_means(integers)
         if others:
             torch._foreach_copy_([self._center_buffer(n) for n in others], [self.buffers[n][0] for n in others])
         for dtype, names in averaged.items():
@@ -476,15 +479,18 @@ class ReplicaStack:
             )
         self.note_center_buffers()
 
-    def _take_integer_mean(self, name: str) -> None:
-        """z's integer buffer ``name`` <- its replicas' mean, rounded, exactly: replica 0's value plus the rounded mean
-        of the differences from it (in float64: exact while the replicas differ by less than 2^53)."""
-        target = self._center_buffer(name)
-        if target is None:
+    def _take_integer_means(self, names: list[str]) -> None:
+        """z's integer buffers ``names`` <- their replicas' means, rounded, exactly, all flattened together: replica
+        0's value plus the rounded mean of the differences from it (in float64: exact while the replicas differ by
+        less than 2^53)."""
+        names = [name for name in names if self._center_buffer(name) is not None]
+        if not names:
             return
-        rows = self.buffers[name].long()
-        base = rows[0]
-        target.copy_(base + (rows - base).double().mean(0).round().long())
+        rows = torch.cat([rows_of(self.buffers[name]).long() for name in names], dim=1)
+        means = rows[0] + (rows - rows[0]).double().mean(0).round().long()
+        targets = [self._center_buffer(name) for name in names]
+        parts = means.split([target.numel() for target in targets])
+        torch._foreach_copy_(targets, [part.view_as(target) for part, target in zip(parts, targets, strict=True)])
 
     @torch.no_grad()
     def resize_(self, num_replicas: int) -> None:
